@@ -1,0 +1,431 @@
+"""The attention entry points: argument checks, head-dim padding, autograd and torch.library ops.
+
+Data flows one way: a public function normalises its arguments and calls an autograd Function,
+which calls a `torch.ops.flash_attn.*` custom op, which calls the `flash_attn_2_cuda` extension.
+"""
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from flash_attn._native import load_extension
+
+MAX_HEAD_DIM = 256
+
+
+def _cuda_ext():
+    return load_extension("flash_attn_2_cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks: one function for every entry point, run before any kernel.
+# ----------------------------------------------------------------------------------------------
+
+
+def _fail(name, expected, got):
+    raise ValueError(f"flash_attn: {name} must be {expected}, got {got}")
+
+
+def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None,
+                          alibi_slopes=None, block_table=None, dropout_p=0.0,
+                          window_size=(-1, -1), softcap=0.0):
+    """Checks shapes, dtypes and devices; the binding repeats the checks it needs for direct calls."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(name, "a torch.Tensor", type(t).__name__)
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            _fail(name, "float16 or bfloat16", t.dtype)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            _fail(name, f"the same dtype as q ({q.dtype})", t.dtype)
+    rank = 3 if varlen else 4
+    layout = "(total, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
+    if block_table is not None:
+        rank_k, layout_k = 4, "(num_blocks, page_block_size, heads_k, head_dim)"
+    else:
+        rank_k, layout_k = rank, layout
+    if q.dim() != rank:
+        _fail("q", f"{rank}-D {layout}", f"shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != rank_k:
+            _fail(name, f"{rank_k}-D {layout_k}", f"shape {tuple(t.shape)}")
+    head_dim, num_heads = q.shape[-1], q.shape[-2]
+    if head_dim > MAX_HEAD_DIM:
+        _fail("q", f"of head dim at most {MAX_HEAD_DIM}", f"head dim {head_dim}")
+    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        _fail("k and v", f"of the same head dim as q ({head_dim})", f"{k.shape[-1]} and {v.shape[-1]}")
+    if k.shape != v.shape:
+        _fail("v", f"the same shape as k {tuple(k.shape)}", f"{tuple(v.shape)}")
+    num_heads_k = k.shape[-2]
+    if num_heads % num_heads_k != 0:
+        _fail("k", f"a number of heads dividing the {num_heads} query heads", num_heads_k)
+    if not varlen and block_table is None and k.shape[0] != q.shape[0]:
+        _fail("k", f"of batch size {q.shape[0]} like q", k.shape[0])
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            _fail(name, "contiguous in its last dimension", f"stride {t.stride()}")
+    if varlen:
+        for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+                _fail(name, "a 1-D torch.int32 tensor of batch+1 offsets",
+                      getattr(t, "dtype", type(t).__name__))
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            _fail("cu_seqlens_k", f"of length {cu_seqlens_q.numel()} like cu_seqlens_q",
+                  cu_seqlens_k.numel())
+    if block_table is not None:
+        if block_table.dtype != torch.int32 or block_table.dim() != 2:
+            _fail("block_table", "a 2-D torch.int32 tensor (batch, max_blocks_per_seq)",
+                  f"{block_table.dtype} of shape {tuple(block_table.shape)}")
+        if k.shape[1] % 256 != 0:
+            _fail("k", "paged with a page_block_size divisible by 256", k.shape[1])
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype != torch.float32:
+            _fail("alibi_slopes", "float32", alibi_slopes.dtype)
+        if alibi_slopes.shape[-1:] != (num_heads,) or alibi_slopes.dim() not in (1, 2):
+            _fail("alibi_slopes", f"of shape ({num_heads},) or (batch, {num_heads})",
+                  tuple(alibi_slopes.shape))
+    if not 0.0 <= dropout_p < 1.0:
+        _fail("dropout_p", "in [0, 1)", dropout_p)
+    if softcap < 0.0:
+        _fail("softcap", ">= 0", softcap)
+    if len(window_size) != 2:
+        _fail("window_size", "a pair (left, right)", window_size)
+    tensors = [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+               ("alibi_slopes", alibi_slopes), ("block_table", block_table)]
+    if not q.is_cuda:
+        _fail("q", "on a CUDA device", q.device)
+    for name, t in tensors:
+        if t is not None and t.device != q.device:
+            _fail(name, f"on the same device as q ({q.device})", t.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops: what torch.compile sees. Each calls the extension once.
+# ----------------------------------------------------------------------------------------------
+
+
+def _round_multiple(x, m):
+    return (x + m - 1) // m * m
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_forward", mutates_args=(), device_types="cuda")
+def _flash_attn_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+    causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+    alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, softmax_lse, S_dmask, rng_state = _cuda_ext().fwd(
+        q, k, v, None, alibi_slopes, dropout_p, softmax_scale, causal,
+        window_size_left, window_size_right, softcap, return_softmax, None,
+    )
+    return out, softmax_lse, S_dmask, rng_state
+
+
+@_flash_attn_forward.register_fake
+def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+      alibi_slopes, return_softmax):
+    batch, seqlen_q, num_heads, _ = q.shape
+    seqlen_k = k.shape[1]
+    out = torch.empty_like(q)
+    softmax_lse = q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
+    shape_p = ((batch, num_heads, _round_multiple(seqlen_q, 128), _round_multiple(seqlen_k, 128))
+               if return_softmax else (0,))
+    return out, softmax_lse, q.new_empty(shape_p), q.new_empty((2,), dtype=torch.int64)
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_varlen_forward", mutates_args=(),
+                         device_types="cuda")
+def _flash_attn_varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+    softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+    softcap: float, alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
+    block_table: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, softmax_lse, S_dmask, rng_state = _cuda_ext().varlen_fwd(
+        q, k, v, None, cu_seqlens_q, cu_seqlens_k, None, None, block_table, alibi_slopes,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, False, causal,
+        window_size_left, window_size_right, softcap, return_softmax, None,
+    )
+    return out, softmax_lse, S_dmask, rng_state
+
+
+@_flash_attn_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+      causal, window_size_left, window_size_right, softcap, alibi_slopes, return_softmax,
+      block_table):
+    total_q, num_heads, _ = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q)
+    softmax_lse = q.new_empty((num_heads, total_q), dtype=torch.float32)
+    shape_p = ((batch, num_heads, _round_multiple(max_seqlen_q, 128),
+                _round_multiple(max_seqlen_k, 128)) if return_softmax else (0,))
+    return out, softmax_lse, q.new_empty(shape_p), q.new_empty((2,), dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared forward/backward plumbing of the autograd Functions.
+# ----------------------------------------------------------------------------------------------
+
+
+def _pad_head_dim(*tensors):
+    """The kernels take head dims that are multiples of 8; pad (and later slice) the rest."""
+    head_dim = tensors[0].shape[-1]
+    if head_dim % 8 == 0:
+        return tensors
+    pad = 8 - head_dim % 8
+    return tuple(None if t is None else F.pad(t, [0, pad]) for t in tensors)
+
+
+def _normalize_window(window_size, causal):
+    left, right = window_size
+    return int(left), (0 if causal else int(right))
+
+
+def _backward_not_built(*_):
+    raise NotImplementedError(
+        "flash_attn: the attention backward kernels are not implemented in this build yet; "
+        "only the forward pass is available (run it under torch.no_grad() or detach the inputs)."
+    )
+
+
+class _FlashAttnBase(torch.autograd.Function):
+    """Forward of every non-kvcache entry point; subclasses only say how inputs are packed."""
+
+    @staticmethod
+    def _run(ctx, q, k, v, varlen_args, dropout_p, softmax_scale, causal, window_size, softcap,
+             alibi_slopes, deterministic, return_softmax, is_grad_enabled, grads_needed):
+        head_dim = q.shape[-1]
+        if softmax_scale is None:
+            softmax_scale = head_dim ** (-0.5)
+        window_left, window_right = _normalize_window(window_size, causal)
+        q_p, k_p, v_p = _pad_head_dim(q, k, v)
+        if varlen_args is None:
+            out, softmax_lse, S_dmask, rng_state = torch.ops.flash_attn._flash_attn_forward(
+                q_p, k_p, v_p, dropout_p, softmax_scale, causal, window_left, window_right,
+                softcap, alibi_slopes, return_softmax and dropout_p > 0,
+            )
+        else:
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table = varlen_args
+            out, softmax_lse, S_dmask, rng_state = torch.ops.flash_attn._flash_attn_varlen_forward(
+                q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                return_softmax and dropout_p > 0, block_table,
+            )
+        if is_grad_enabled and grads_needed:
+            ctx.save_for_backward(q_p, k_p, v_p, out, softmax_lse, rng_state)
+            ctx.settings = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                window_size=(window_left, window_right), softcap=softcap,
+                                alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                varlen_args=varlen_args, head_dim=head_dim)
+        out = out[..., :head_dim]
+        return (out, softmax_lse, S_dmask) if return_softmax else out
+
+    backward = staticmethod(_backward_not_built)
+
+
+class FlashAttnFunc(_FlashAttnBase):
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, deterministic, return_softmax, is_grad_enabled):
+        needs = any(t.requires_grad for t in (q, k, v))
+        return _FlashAttnBase._run(ctx, q, k, v, None, dropout_p, softmax_scale, causal,
+                                   window_size, softcap, alibi_slopes, deterministic,
+                                   return_softmax, is_grad_enabled, needs)
+
+
+class FlashAttnQKVPackedFunc(_FlashAttnBase):
+    @staticmethod
+    def forward(ctx, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                deterministic, return_softmax, is_grad_enabled):
+        q, k, v = qkv.unbind(dim=2)
+        return _FlashAttnBase._run(ctx, q, k, v, None, dropout_p, softmax_scale, causal,
+                                   window_size, softcap, alibi_slopes, deterministic,
+                                   return_softmax, is_grad_enabled, qkv.requires_grad)
+
+
+class FlashAttnKVPackedFunc(_FlashAttnBase):
+    @staticmethod
+    def forward(ctx, q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                deterministic, return_softmax, is_grad_enabled):
+        k, v = kv.unbind(dim=2)
+        needs = q.requires_grad or kv.requires_grad
+        return _FlashAttnBase._run(ctx, q, k, v, None, dropout_p, softmax_scale, causal,
+                                   window_size, softcap, alibi_slopes, deterministic,
+                                   return_softmax, is_grad_enabled, needs)
+
+
+class FlashAttnVarlenFunc(_FlashAttnBase):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax, block_table, is_grad_enabled):
+        needs = any(t.requires_grad for t in (q, k, v))
+        varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+        return _FlashAttnBase._run(ctx, q, k, v, varlen_args, dropout_p, softmax_scale, causal,
+                                   window_size, softcap, alibi_slopes, deterministic,
+                                   return_softmax, is_grad_enabled, needs)
+
+
+class FlashAttnVarlenQKVPackedFunc(_FlashAttnBase):
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size,
+                softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled):
+        q, k, v = qkv.unbind(dim=1)
+        varlen_args = (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, None)
+        return _FlashAttnBase._run(ctx, q, k, v, varlen_args, dropout_p, softmax_scale, causal,
+                                   window_size, softcap, alibi_slopes, deterministic,
+                                   return_softmax, is_grad_enabled, qkv.requires_grad)
+
+
+class FlashAttnVarlenKVPackedFunc(_FlashAttnBase):
+    @staticmethod
+    def forward(ctx, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax, is_grad_enabled):
+        k, v = kv.unbind(dim=1)
+        needs = q.requires_grad or kv.requires_grad
+        varlen_args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None)
+        return _FlashAttnBase._run(ctx, q, k, v, varlen_args, dropout_p, softmax_scale, causal,
+                                   window_size, softcap, alibi_slopes, deterministic,
+                                   return_softmax, is_grad_enabled, needs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions (flash-attn 2.x signatures).
+# ----------------------------------------------------------------------------------------------
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """qkv: (batch, seqlen, 3, nheads, headdim). Returns out (batch, seqlen, nheads, headdim),
+    plus (softmax_lse, S_dmask) when return_attn_probs."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        _fail("qkv", "a (batch, seqlen, 3, nheads, headdim) tensor", getattr(qkv, "shape", qkv))
+    q, k, v = qkv.unbind(dim=2)
+    _check_attention_args(q, k, v, varlen=False, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                          window_size=window_size, softcap=softcap)
+    return FlashAttnQKVPackedFunc.apply(qkv, dropout_p, softmax_scale, causal, window_size,
+                                        softcap, alibi_slopes, deterministic, return_attn_probs,
+                                        torch.is_grad_enabled())
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim), kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        _fail("kv", "a (batch, seqlen_k, 2, nheads_k, headdim) tensor", getattr(kv, "shape", kv))
+    k, v = kv.unbind(dim=2)
+    _check_attention_args(q, k, v, varlen=False, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                          window_size=window_size, softcap=softcap)
+    return FlashAttnKVPackedFunc.apply(q, kv, dropout_p, softmax_scale, causal, window_size,
+                                       softcap, alibi_slopes, deterministic, return_attn_probs,
+                                       torch.is_grad_enabled())
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """Exact attention softmax(q k^T * softmax_scale) v.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), nheads
+    divisible by nheads_k (GQA/MQA). causal aligns the mask to the bottom-right corner;
+    window_size (left, right) keeps keys in [i + s_k - s_q - left, i + s_k - s_q + right];
+    alibi_slopes (nheads,) or (batch, nheads) float32 adds -slope * |i + s_k - s_q - j|;
+    softcap > 0 applies softcap * tanh(score / softcap). Returns out (batch, seqlen_q, nheads,
+    headdim), plus softmax_lse (batch, nheads, seqlen_q) and S_dmask when return_attn_probs
+    (S_dmask holds the probabilities, negated where dropped, only when dropout_p > 0; as in
+    flash-attn it is an empty tensor otherwise).
+    """
+    _check_attention_args(q, k, v, varlen=False, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                          window_size=window_size, softcap=softcap)
+    return FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                               alibi_slopes, deterministic, return_attn_probs,
+                               torch.is_grad_enabled())
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv: (total, 3, nheads, headdim); cu_seqlens: (batch + 1,) int32."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        _fail("qkv", "a (total, 3, nheads, headdim) tensor", getattr(qkv, "shape", qkv))
+    q, k, v = qkv.unbind(dim=1)
+    _check_attention_args(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                          alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                          window_size=window_size, softcap=softcap)
+    return FlashAttnVarlenQKVPackedFunc.apply(qkv, cu_seqlens, max_seqlen, dropout_p,
+                                              softmax_scale, causal, window_size, softcap,
+                                              alibi_slopes, deterministic, return_attn_probs,
+                                              torch.is_grad_enabled())
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        _fail("kv", "a (total_k, 2, nheads_k, headdim) tensor", getattr(kv, "shape", kv))
+    k, v = kv.unbind(dim=1)
+    _check_attention_args(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q,
+                          cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                          dropout_p=dropout_p, window_size=window_size, softcap=softcap)
+    return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, dropout_p, softmax_scale, causal,
+                                             window_size, softcap, alibi_slopes, deterministic,
+                                             return_attn_probs, torch.is_grad_enabled())
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """Attention over a batch of sequences of different lengths, concatenated along dim 0.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), or with block_table
+    (batch, max_blocks) int32 a paged cache (num_blocks, page_block_size, nheads_k, headdim).
+    cu_seqlens_q/k: (batch + 1,) int32 offsets. softmax_lse is (nheads, total_q).
+    """
+    _check_attention_args(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q,
+                          cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                          block_table=block_table, dropout_p=dropout_p, window_size=window_size,
+                          softcap=softcap)
+    return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                     softcap, alibi_slopes, deterministic, return_attn_probs,
+                                     block_table, torch.is_grad_enabled())
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """KV-cache decoding. Not implemented yet: its split-KV kernels come in a later issue."""
+    raise NotImplementedError(
+        "flash_attn: flash_attn_with_kvcache is not implemented in this build yet (its split-KV "
+        "decoding kernels are a separate piece of work); use flash_attn_func or "
+        "flash_attn_varlen_func with block_table for now."
+    )
+
+
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """Key-block size of the forward kernel for this head dim (see csrc/.../flash_fwd_launch.h)."""
+    del device, is_causal  # the same tiles serve every sm80-class GPU and both mask modes
+    assert head_dim <= MAX_HEAD_DIM, f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}"
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 64 if is_dropout else 128
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 160:
+        return 32 if is_dropout or head_dim > 128 else 64
+    return 32 if is_dropout else 64

@@ -1,0 +1,214 @@
+"""Build of flash_attn: the Python package and its CUDA extensions.
+
+`pip install --no-build-isolation .` compiles every extension whose sources are present when a
+CUDA build of PyTorch and nvcc are available, and installs the Python package alone otherwise.
+
+Environment knobs (all optional):
+  FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE  install the Python package alone
+  FLASH_ATTN_CUDA_ARCHS="80;90"         compute capabilities (default: the visible GPU's, else 80;90)
+  FLASH_ATTN_HDIMS="64,128"             attention head dims to build (default: all); a head dim that
+                                        was not built runs on the next larger one that was
+  FLASH_ATTN_DTYPES="bf16"              attention dtypes to build (default: fp16,bf16)
+  FLASH_ATTN_EXTENSIONS="fused_dense_lib,dropout_layer_norm"  extensions to build (default: all)
+  MAX_JOBS, NVCC_THREADS                parallel compile jobs (ninja) and nvcc threads per job
+  CUTLASS_PATH                          CUTLASS checkout or include dir (default: nvidia-cutlass)
+"""
+
+import glob
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+PACKAGE_NAME = "flash_attn"
+
+ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+ALL_DTYPES = ("fp16", "bf16")
+
+# One row per native extension: its source folder and what it links against.
+EXTENSIONS = {
+    "flash_attn_2_cuda": dict(folder="csrc/flash_attn", needs_cutlass=True, attention=True),
+    "fused_dense_lib": dict(folder="csrc/fused_dense_lib", libraries=["cublasLt", "cublas"],
+                            nvidia_wheels=("cublas",)),
+    "dropout_layer_norm": dict(folder="csrc/layer_norm"),
+}
+
+
+def read_version():
+    text = (ROOT / "flash_attn" / "__init__.py").read_text()
+    return re.search(r'^__version__\s*=\s*"([^"]+)"', text, re.M).group(1)
+
+
+def env_flag(name):
+    return os.getenv(name, "FALSE").strip().upper() in ("1", "TRUE", "YES", "ON")
+
+
+def env_list(name, default):
+    raw = os.getenv(name)
+    if not raw:
+        return list(default)
+    return [item.strip() for item in re.split(r"[;,\s]+", raw) if item.strip()]
+
+
+def cuda_build_reason_to_skip():
+    """None when the CUDA extensions can be built here, else why not."""
+    if env_flag("FLASH_ATTENTION_SKIP_CUDA_BUILD"):
+        return "FLASH_ATTENTION_SKIP_CUDA_BUILD is set"
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError:
+        return "PyTorch is not installed (install it first, then build with --no-build-isolation)"
+    if torch.version.cuda is None:
+        return f"PyTorch {torch.__version__} is a CPU build"
+    if CUDA_HOME is None:
+        return "no CUDA toolkit (nvcc) was found; set CUDA_HOME"
+    return None
+
+
+def cutlass_include_dir():
+    candidates = []
+    if os.getenv("CUTLASS_PATH"):
+        base = Path(os.environ["CUTLASS_PATH"])
+        candidates += [base / "include", base]
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.origin is not None:
+        candidates.append(Path(spec.origin).parent / "source" / "include")
+    for path in candidates:
+        if (path / "cute" / "tensor.hpp").is_file():
+            return str(path)
+    sys.exit(
+        "flash_attn: the CUTLASS/CuTe headers were not found. Install them with "
+        "`pip install nvidia-cutlass` or point CUTLASS_PATH at a CUTLASS checkout "
+        f"(looked in: {', '.join(map(str, candidates)) or 'nothing'})."
+    )
+
+
+def nvidia_wheel_dirs(component):
+    """Include and library folders of an NVIDIA runtime wheel (nvidia-cublas and friends)."""
+    include_dirs, library_dirs = [], []
+    for entry in sys.path:
+        for sub in (f"nvidia/{component}", "nvidia/cu13", "nvidia/cu12"):
+            base = Path(entry) / sub
+            if (base / "include").is_dir():
+                include_dirs.append(str(base / "include"))
+            if (base / "lib").is_dir():
+                library_dirs.append(str(base / "lib"))
+    return include_dirs, library_dirs
+
+
+def cuda_archs():
+    archs = env_list("FLASH_ATTN_CUDA_ARCHS", [])
+    if not archs:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            archs = [f"{major}{minor}"]
+        else:
+            archs = ["80", "90"]
+    return archs
+
+
+def gencode_flags(archs):
+    flags = []
+    for arch in archs:
+        # sm_90 is built as sm_90a so that the Hopper-only instructions (wgmma, setmaxnreg) are allowed.
+        target = f"{arch}a" if arch == "90" else arch
+        flags += ["-gencode", f"arch=compute_{target},code=sm_{target}"]
+    return flags
+
+
+def attention_sources_and_defines(folder):
+    spec = importlib.util.spec_from_file_location("generate_kernels", ROOT / folder / "generate_kernels.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    hdims = sorted(int(d) for d in env_list("FLASH_ATTN_HDIMS", ALL_HDIMS))
+    dtypes = env_list("FLASH_ATTN_DTYPES", ALL_DTYPES)
+    unknown = [d for d in hdims if d not in ALL_HDIMS] + [t for t in dtypes if t not in ALL_DTYPES]
+    if unknown:
+        sys.exit(f"flash_attn: FLASH_ATTN_HDIMS/FLASH_ATTN_DTYPES name unknown values {unknown}; "
+                 f"choose from {ALL_HDIMS} and {ALL_DTYPES}")
+    generated = generator.write_instantiations(ROOT / folder / "src" / "generated", hdims, dtypes)
+    defines = [f"-DFLASH_ATTN_BUILD_HDIM_{d}" for d in hdims]
+    defines += [f"-DFLASH_ATTN_BUILD_{t.upper()}" for t in dtypes]
+    return [os.path.relpath(p, ROOT) for p in generated], defines
+
+
+def cuda_extensions():
+    reason = cuda_build_reason_to_skip()
+    if reason is not None:
+        print(f"flash_attn: building the Python package only ({reason}).")
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    wanted = env_list("FLASH_ATTN_EXTENSIONS", EXTENSIONS)
+    archs = cuda_archs()
+    nvcc_threads = os.getenv("NVCC_THREADS", "2")
+    common_nvcc = [
+        "-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+        "--expt-relaxed-constexpr", "--expt-extended-lambda",
+        "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "--threads", nvcc_threads,
+    ] + gencode_flags(archs)
+    print(f"flash_attn: building {wanted} for sm {archs} with MAX_JOBS={os.getenv('MAX_JOBS', 'auto')}")
+
+    extensions = []
+    for name in wanted:
+        if name not in EXTENSIONS:
+            sys.exit(f"flash_attn: FLASH_ATTN_EXTENSIONS names unknown extension {name!r}; "
+                     f"choose from {list(EXTENSIONS)}")
+        row = EXTENSIONS[name]
+        folder = row["folder"]
+        sources = sorted(
+            os.path.relpath(p, ROOT)
+            for pattern in ("*.cpp", "*.cu", "src/*.cu")
+            for p in glob.glob(str(ROOT / folder / pattern))
+        )
+        if not sources:
+            continue  # this extension has not been written yet
+        include_dirs = [str(ROOT / folder), str(ROOT / folder / "src")]
+        library_dirs = []
+        defines = []
+        if row.get("needs_cutlass"):
+            include_dirs.append(cutlass_include_dir())
+        for component in row.get("nvidia_wheels", ()):
+            inc, lib = nvidia_wheel_dirs(component)
+            include_dirs += inc
+            library_dirs += lib
+        if row.get("attention"):
+            generated, defines = attention_sources_and_defines(folder)
+            sources += generated
+        extensions.append(
+            CUDAExtension(
+                name=name,
+                sources=sources,
+                include_dirs=include_dirs,
+                library_dirs=library_dirs,
+                libraries=row.get("libraries", []),
+                extra_compile_args={"cxx": ["-O3", "-std=c++17"] + defines,
+                                    "nvcc": common_nvcc + defines},
+            )
+        )
+    return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = cuda_extensions()
+
+setup(
+    name=PACKAGE_NAME,
+    version=read_version(),
+    description="Flash attention, fused dense and fused layer norm for PyTorch",
+    long_description=(ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["flash_attn", "flash_attn.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    python_requires=">=3.9",
+    install_requires=["torch", "einops"],
+)
