@@ -1,0 +1,237 @@
+"""The plain-PyTorch attention that every kernel test and benchmark checks against.
+
+Layout follows the kernels: q (b, s_q, h, d), k/v (b, s_k, h_k, d). Positions: query i of a
+sequence with sq valid queries and sk valid keys lines up with key i + sk - sq (bottom-right
+alignment), which is what causal, window_size and alibi all measure from. With padding masks,
+sq and sk are per-batch valid lengths; with key_leftpad, keys before key_leftpad[b] are invalid
+and key positions count from key_leftpad[b].
+"""
+
+import math
+
+import torch
+
+from flash_attn.bert_padding import pad_input, unpad_input
+
+
+def _batch_view(x):
+    """(b, ...) per-batch value -> (b, 1, 1, 1) for broadcasting over (b, h, s_q, s_k)."""
+    return x.reshape(-1, 1, 1, 1)
+
+
+def _geometry(seqlen_q, seqlen_k, query_padding_mask, key_padding_mask, key_leftpad, device):
+    """Query rows, key positions, valid lengths and the keys cut off by key_leftpad, all shaped to
+    broadcast against (b, h, s_q, s_k)."""
+    if device is None:
+        for t in (query_padding_mask, key_padding_mask, key_leftpad):
+            if t is not None:
+                device = t.device
+                break
+    row = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    col = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    before_leftpad = None
+    valid_k = None if key_padding_mask is None else key_padding_mask.to(device).bool()
+    if key_leftpad is not None:
+        leftpad = _batch_view(key_leftpad.to(device=device, dtype=torch.long))
+        before_leftpad = col < leftpad
+        col = col - leftpad
+        if valid_k is not None:
+            valid_k = valid_k & ~before_leftpad.view(-1, seqlen_k)
+    if valid_k is not None:
+        sk = _batch_view(valid_k.sum(-1))
+    elif key_leftpad is not None:
+        sk = seqlen_k - leftpad
+    else:
+        sk = seqlen_k
+    if query_padding_mask is not None:
+        sq = _batch_view(query_padding_mask.to(device).bool().sum(-1))
+    else:
+        sq = seqlen_q
+    return row, col, sq, sk, before_leftpad
+
+
+def construct_local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), query_padding_mask=None,
+                         key_padding_mask=None, device=None, key_leftpad=None):
+    """Bool (b or 1, 1, s_q, s_k), True = masked out: keys outside query i's window
+    [i + sk - sq - left, i + sk - sq + right] (-1 = unbounded side) and keys before key_leftpad.
+    Padded keys themselves are not marked here (attention_ref masks them with key_padding_mask);
+    the padding masks only set the per-batch sq and sk."""
+    row, col, sq, sk, before_leftpad = _geometry(
+        seqlen_q, seqlen_k, query_padding_mask, key_padding_mask, key_leftpad, device)
+    diag = row + sk - sq  # the key position aligned with query i
+    masked = torch.zeros_like(diag + col, dtype=torch.bool)
+    left, right = window_size
+    if left >= 0:
+        masked |= col < diag - left
+    if right >= 0:
+        masked |= col > diag + right
+    if before_leftpad is not None:
+        masked |= before_leftpad
+    return masked
+
+
+def attn_bias_from_alibi_slopes(slopes, seqlen_q, seqlen_k, query_padding_mask=None,
+                                key_padding_mask=None, causal=False, key_leftpad=None):
+    """float32 (b or 1, h, s_q, s_k) bias -slope * |i + sk - sq - j|.
+
+    slopes: (h,) or (b, h). The same exact distance serves causal and non-causal attention (the
+    causal mask removes the keys right of the diagonal afterwards), so `causal` does not change
+    the values; it is accepted for flash-attn compatibility."""
+    del causal
+    row, col, sq, sk, _ = _geometry(seqlen_q, seqlen_k, query_padding_mask, key_padding_mask,
+                                    key_leftpad, slopes.device)
+    distance = (row + sk - sq - col).abs().to(torch.float32)
+    slopes = slopes.to(torch.float32)
+    slopes = slopes.view(1, -1, 1, 1) if slopes.dim() == 1 else slopes.view(*slopes.shape, 1, 1)
+    return -slopes * distance
+
+
+def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, attn_bias=None,
+                  dropout_p=0.0, dropout_mask=None, causal=False, window_size=(-1, -1),
+                  softcap=0.0, alibi_slopes=None, upcast=True, reorder_ops=False,
+                  key_leftpad=None, softmax_scale=None):
+    """Reference attention. Returns (output (b, s_q, h, d), attention (b, h, s_q, s_k)), both in
+    q's dtype; attention is the softmax after masking and before dropout.
+
+    upcast=True computes in fp32; upcast=False keeps the input dtype for the matmuls and the
+    softmax (the dtype-error baseline). Bias terms (alibi, attn_bias) are added in their own dtype,
+    so fp32 biases promote the scores, as in flash-attn's reference. reorder_ops=True scales k
+    instead of q, another op order with the same math. Masked-out keys get probability 0; a row
+    with no valid key gets attention 0 and output 0 (no NaN, also in the gradients).
+    dropout_mask: bool (b, h, s_q, s_k), True = kept; the kept probabilities are scaled by
+    1 / (1 - dropout_p)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if nheads % nheads_k != 0:
+        raise ValueError(f"k: expected a number of heads dividing q's {nheads}, got {nheads_k}")
+    if dropout_p > 0.0 and dropout_mask is None:
+        raise ValueError("dropout_mask: expected the keep-mask (b, h, s_q, s_k) when dropout_p > 0")
+    if causal:
+        window_size = (window_size[0], 0)
+    dtype_og = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    if nheads_k != nheads:
+        # Query head j reads kv head j // (h // h_k).
+        k = k.repeat_interleave(nheads // nheads_k, dim=2)
+        v = v.repeat_interleave(nheads // nheads_k, dim=2)
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    if reorder_ops:
+        scores = torch.einsum("bthd,bshd->bhts", q, k * scale)
+    else:
+        scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
+    if softcap > 0.0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        scores = scores + attn_bias_from_alibi_slopes(
+            alibi_slopes, seqlen_q, seqlen_k, query_padding_mask, key_padding_mask,
+            key_leftpad=key_leftpad)
+    if attn_bias is not None:
+        scores = scores + attn_bias
+
+    masked = None
+    if key_padding_mask is not None:
+        masked = ~key_padding_mask.bool().view(batch, 1, 1, seqlen_k)
+    if window_size[0] >= 0 or window_size[1] >= 0 or key_leftpad is not None:
+        local = construct_local_mask(seqlen_q, seqlen_k, window_size, query_padding_mask,
+                                     key_padding_mask, q.device, key_leftpad)
+        masked = local if masked is None else masked | local
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    # Rows with nothing to attend to: softmax would give NaN (and NaN gradients), so give them
+    # finite scores and zero the probabilities afterwards.
+    empty_rows = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    scores = scores.masked_fill(empty_rows, 0.0)
+    attention = torch.softmax(scores, dim=-1).masked_fill(empty_rows, 0.0).to(v.dtype)
+    if query_padding_mask is not None:
+        attention = attention.masked_fill(
+            ~query_padding_mask.bool().view(batch, 1, seqlen_q, 1), 0.0)
+
+    attention_drop = attention
+    if dropout_mask is not None:
+        attention_drop = attention.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+    output = torch.einsum("bhts,bshd->bthd", attention_drop, v)
+    if query_padding_mask is not None:
+        output = output.masked_fill(~query_padding_mask.bool().view(batch, seqlen_q, 1, 1), 0.0)
+    return output.to(dtype_og), attention.to(dtype_og)
+
+
+def generate_random_padding_mask(max_seqlen, batch_size, device, mode="random",
+                                 zero_lengths=False):
+    """Bool (batch_size, max_seqlen), True = valid; the valid tokens of each row are a prefix.
+
+    mode "full": every token valid; "random": lengths in [max_seqlen - 20, max_seqlen] (from 1 when
+    max_seqlen is small); "third": lengths in [max_seqlen // 3, max_seqlen]. zero_lengths=True
+    also empties every fifth sequence (0, 5, ...) and the last one. Lengths are drawn on the CPU
+    generator, so a seed gives the same masks on every device."""
+    if mode == "full":
+        lengths = torch.full((batch_size,), max_seqlen, dtype=torch.long)
+    elif mode == "random":
+        lengths = torch.randint(max(1, max_seqlen - 20), max_seqlen + 1, (batch_size,))
+    elif mode == "third":
+        lengths = torch.randint(max_seqlen // 3, max_seqlen + 1, (batch_size,))
+    else:
+        raise ValueError(f"mode: expected 'full', 'random' or 'third', got {mode!r}")
+    if zero_lengths and batch_size > 0:
+        lengths[::5] = 0
+        lengths[-1] = 0
+    mask = torch.arange(max_seqlen).unsqueeze(0) < lengths.unsqueeze(1)
+    return mask.to(device)
+
+
+def _unpad(x, padding_mask):
+    """(b, s, ...) -> (x_unpad, cu_seqlens, max_seqlen, pad_fn mapping (total, ...) -> (b, s, ...))."""
+    batch, seqlen = x.shape[:2]
+    if padding_mask is None:
+        cu_seqlens = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32,
+                                  device=x.device)
+        return (x.reshape(batch * seqlen, *x.shape[2:]), cu_seqlens, seqlen,
+                lambda t: t.reshape(batch, seqlen, *t.shape[1:]))
+    x_unpad, indices, cu_seqlens, max_seqlen, _ = unpad_input(x, padding_mask)
+    return x_unpad, cu_seqlens, max_seqlen, lambda t: pad_input(t, indices, batch, seqlen)
+
+
+def _leaf(t):
+    return t.detach().requires_grad_()
+
+
+def generate_qkv(q, k, v, query_padding_mask=None, key_padding_mask=None, kvpacked=False,
+                 qkvpacked=False):
+    """Varlen inputs and padded twins for one batch. q (b, s_q, h, d), k/v (b, s_k, h_k, d).
+
+    neither: (q_unpad, k_unpad, v_unpad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              q, k, v, output_pad_fn, dq_pad_fn, dk_pad_fn)
+    kvpacked: (q_unpad, kv_unpad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, kv,
+               output_pad_fn, dq_pad_fn, dkv_pad_fn)
+    qkvpacked: (qkv_unpad, cu_seqlens_q, max_seqlen_q, qkv, output_pad_fn, dqkv_pad_fn)
+    Tensors come back as fresh leaves that require grad; the pad functions map unpadded (total, ...)
+    tensors to padded (b, s, ...) ones with zeros in the padding."""
+    q_unpad, cu_seqlens_q, max_seqlen_q, output_pad_fn = _unpad(q, query_padding_mask)
+    k_unpad, cu_seqlens_k, max_seqlen_k, dk_pad_fn = _unpad(k, key_padding_mask)
+    v_unpad = _unpad(v, key_padding_mask)[0]
+    if qkvpacked:
+        if q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
+            raise ValueError("qkvpacked: expected q and k with the same sequence length and heads")
+        same_masks = (query_padding_mask is None and key_padding_mask is None) or (
+            query_padding_mask is not None and key_padding_mask is not None
+            and torch.equal(query_padding_mask, key_padding_mask))
+        if not same_masks:
+            raise ValueError("qkvpacked: expected query_padding_mask equal to key_padding_mask")
+        qkv_unpad = torch.stack([q_unpad, k_unpad, v_unpad], dim=1)
+        qkv = torch.stack([q, k, v], dim=2)
+        return (_leaf(qkv_unpad), cu_seqlens_q, max_seqlen_q, _leaf(qkv), output_pad_fn,
+                output_pad_fn)
+    if kvpacked:
+        kv_unpad = torch.stack([k_unpad, v_unpad], dim=1)
+        kv = torch.stack([k, v], dim=2)
+        return (_leaf(q_unpad), _leaf(kv_unpad), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, _leaf(q), _leaf(kv), output_pad_fn, output_pad_fn, dk_pad_fn)
+    return (_leaf(q_unpad), _leaf(k_unpad), _leaf(v_unpad), cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_q, max_seqlen_k, _leaf(q), _leaf(k), _leaf(v), output_pad_fn,
+            output_pad_fn, dk_pad_fn)
+
+
+def dropout_mask_from_S_dmask(S_dmask, seqlen_q, seqlen_k):
+    """Keep-mask (b, h, s_q, s_k), True = kept, from the kernels' S_dmask
+    (b, h, round128(s_q), round128(s_k)), whose negative entries mark dropped positions."""
+    return S_dmask[:, :, :seqlen_q, :seqlen_k] >= 0
