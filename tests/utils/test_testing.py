@@ -224,10 +224,13 @@ def test_upcast_false_computes_in_low_precision(dtype):
     out_lp, attn_lp = attention_ref(q, k, v, causal=True, upcast=False)
     out_re, _ = attention_ref(q, k, v, causal=True, upcast=False, reorder_ops=True)
     assert out_up.dtype == out_lp.dtype == attn_up.dtype == attn_lp.dtype == dtype
-    err_up = (out_up.double() - exact).abs().max().item()
-    err_lp = (out_lp.double() - exact).abs().max().item()
-    assert err_up < err_lp < 20 * err_up  # rounds the intermediates, but stays in range
-    assert not torch.equal(out_lp, out_re) and (out_re.double() - exact).abs().max() < 20 * err_up
+    # Mean errors: fp32 math leaves only the output rounding (~2.3x less error on this data);
+    # low-precision math also rounds scores, probabilities and the sums.
+    err_up = (out_up.double() - exact).abs().mean().item()
+    err_lp = (out_lp.double() - exact).abs().mean().item()
+    err_re = (out_re.double() - exact).abs().mean().item()
+    assert 1.5 * err_up < err_lp < 5 * err_up
+    assert 1.5 * err_up < err_re < 5 * err_up and not torch.equal(out_lp, out_re)
 
 
 # ---- an independent loop implementation for feature combinations ----
@@ -311,6 +314,13 @@ def test_matches_loop_reference(seed, case):
     _close(attn.double(), exp_attn)
     _close(out.double(), exp_out)
     assert torch.isfinite(out).all()
+    if kpm is not None and leftpad is not None:
+        # A key mask that also covers the left padding means the same: leftpad wins.
+        prefix_kpm = torch.arange(s_k) < (leftpad + kpm.sum(-1)).unsqueeze(1)
+        out2, attn2 = attention_ref(q, k, v, qpm, prefix_kpm, causal=causal, window_size=window,
+                                    softcap=softcap, alibi_slopes=slopes, key_leftpad=leftpad)
+        _close(attn2, attn)
+        _close(out2, out)
 
 
 # ---- padding masks and varlen inputs ----
