@@ -1,0 +1,615 @@
+"""Multi-head attention: the inner attention modules (flash kernels or the PyTorch reference) and
+MHA / ParallelMHA, which add the projections, rotary embeddings and the kv cache for inference.
+
+Paths: `use_flash_attn=True` calls the flash-attn kernels (CUDA, fp16/bf16); otherwise
+`SelfAttention` / `CrossAttention` compute the same thing in PyTorch (any device and dtype, with
+the same causal / window / alibi / GQA semantics), which is what the CPU tests run.
+"""
+
+import importlib
+import math
+import warnings
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from flash_attn import flash_attn_interface as fai
+
+# ----------------------------------------------------------------------------------------------
+# Optional pieces written elsewhere in the package: imported lazily, with a fallback.
+# ----------------------------------------------------------------------------------------------
+
+_warned = set()
+
+
+def import_optional(module, name):
+    """`module.name`, or None when that module is missing or broken (e.g. not written yet)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception:  # ImportError, or a half-landed module failing at import
+        return None
+
+
+def warn_fallback(flag, reason):
+    """One warning per flag: the fused path was asked for, the plain PyTorch path runs instead."""
+    if flag not in _warned:
+        _warned.add(flag)
+        warnings.warn(f"flash_attn: {flag} requested but {reason}; using the PyTorch path.")
+
+
+def get_alibi_slopes(nheads):
+    """ALiBi head slopes: a geometric sequence 2^(-8/n), 2^(-16/n), ... for n a power of two;
+    otherwise the slopes of the nearest lower power of two, topped up with every other slope of
+    the next power of two (the ALiBi paper's recipe)."""
+
+    def power_of_two_slopes(n):
+        first = 2.0 ** (-8.0 / n)
+        return [first ** (i + 1) for i in range(n)]
+
+    if math.log2(nheads).is_integer():
+        return power_of_two_slopes(nheads)
+    lower = 2 ** math.floor(math.log2(nheads))
+    return power_of_two_slopes(lower) + get_alibi_slopes(2 * lower)[0::2][: nheads - lower]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference attention in PyTorch.
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, causal=False, softmax_scale=None, dropout_p=0.0,
+                        key_padding_mask=None, query_lengths=None, window_size=(-1, -1),
+                        alibi_slopes=None, softcap=0.0):
+    """softmax(q k^T * scale + bias) v with flash-attn's masking semantics.
+
+    q (b, s_q, h, d); k, v (b, s_k, h_k, d) with h divisible by h_k. key_padding_mask (b, s_k)
+    bool, True = keep. query_lengths (b,) marks padded queries. The causal / window diagonal of
+    query i in sample b sits at key i + len_k[b] - len_q[b] (bottom-right aligned to the real
+    lengths, as the kernels do); alibi adds -slope * |diagonal - j|. Rows with no key get 0.
+    """
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if nheads_k != nheads:
+        k = k.repeat_interleave(nheads // nheads_k, dim=2)
+        v = v.repeat_interleave(nheads // nheads_k, dim=2)
+    scale = softmax_scale if softmax_scale is not None else head_dim ** (-0.5)
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+
+    device = q.device
+    len_k = (key_padding_mask.sum(-1) if key_padding_mask is not None
+             else torch.full((batch,), seqlen_k, device=device))
+    len_q = query_lengths if query_lengths is not None else torch.full((batch,), seqlen_q, device=device)
+    row = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    col = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    diagonal = row + (len_k - len_q).view(-1, 1, 1, 1)  # (b, 1, s_q, 1)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().view(-1 if alibi_slopes.dim() == 2 else 1, nheads, 1, 1)
+        scores = scores - slopes.reshape(slopes.shape[0], nheads, 1, 1) * (diagonal - col).abs()
+
+    left, right = window_size
+    if causal:
+        right = 0
+    masked = torch.zeros(1, 1, 1, seqlen_k, dtype=torch.bool, device=device)
+    if key_padding_mask is not None:
+        masked = masked | ~key_padding_mask.view(batch, 1, 1, seqlen_k)
+    if right >= 0:
+        masked = masked | (col > diagonal + right)
+    if left >= 0:
+        masked = masked | (col < diagonal - left)
+    # A finite fill keeps softmax NaN-free; rows with no visible key are zeroed afterwards.
+    scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
+    attn = torch.softmax(scores, dim=-1)
+    attn = attn.masked_fill(masked.all(dim=-1, keepdim=True), 0.0)
+    if dropout_p > 0.0:
+        attn = F.dropout(attn, dropout_p)
+    return torch.einsum("bhts,bshd->bthd", attn.to(v.dtype), v)
+
+
+def _pad_varlen(x, cu_seqlens, max_seqlen):
+    """(total, ...) packed rows -> (batch, max_seqlen, ...) zero-padded, and the (batch,
+    max_seqlen) mask of real rows."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    pos = torch.arange(max_seqlen, device=x.device)
+    valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
+    index = (cu_seqlens[:-1].unsqueeze(1).long() + pos).clamp(max=x.shape[0] - 1)
+    padded = x[index] * valid.view(*valid.shape, *([1] * (x.dim() - 1))).to(x.dtype)
+    return padded, valid
+
+
+class SelfAttention(nn.Module):
+    """Reference self-attention. qkv (b, s, 3, h, d), or (total, 3, h, d) with cu_seqlens."""
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0,
+                 window_size=(-1, -1), alibi_slopes=None, deterministic=False):
+        super().__init__()
+        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
+        self.drop = nn.Dropout(attention_dropout)
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+
+    def forward(self, qkv, causal=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None):
+        q, k, v = qkv.unbind(dim=-3)
+        return _reference_call(self, q, k, v, causal, key_padding_mask, cu_seqlens, max_seqlen,
+                               cu_seqlens, max_seqlen)
+
+
+class CrossAttention(nn.Module):
+    """Reference attention of q (b, s_q, h, d) to kv (b, s_k, 2, h_k, d) (or packed varlen)."""
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0,
+                 window_size=(-1, -1), alibi_slopes=None, deterministic=False):
+        super().__init__()
+        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
+        self.drop = nn.Dropout(attention_dropout)
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+
+    def forward(self, q, kv, causal=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
+                cu_seqlens_k=None, max_seqlen_k=None):
+        k, v = kv.unbind(dim=-3)
+        return _reference_call(self, q, k, v, causal, key_padding_mask, cu_seqlens, max_seqlen,
+                               cu_seqlens_k, max_seqlen_k)
+
+
+def _reference_call(module, q, k, v, causal, key_padding_mask, cu_seqlens_q, max_seqlen_q,
+                    cu_seqlens_k, max_seqlen_k):
+    causal = module.causal if causal is None else causal
+    kwargs = dict(causal=causal, softmax_scale=module.softmax_scale,
+                  dropout_p=module.drop.p if module.training else 0.0,
+                  window_size=module.window_size, alibi_slopes=module.alibi_slopes)
+    if cu_seqlens_q is None:
+        return attention_reference(q, k, v, key_padding_mask=key_padding_mask, **kwargs)
+    # Varlen: pad each sequence to the batch's longest, attend with masks, re-pack.
+    q_pad, q_valid = _pad_varlen(q, cu_seqlens_q, max_seqlen_q)
+    k_pad, k_valid = _pad_varlen(k, cu_seqlens_k, max_seqlen_k)
+    v_pad, _ = _pad_varlen(v, cu_seqlens_k, max_seqlen_k)
+    out = attention_reference(q_pad, k_pad, v_pad, key_padding_mask=k_valid,
+                              query_lengths=q_valid.sum(-1), **kwargs)
+    return out[q_valid]
+
+
+# ----------------------------------------------------------------------------------------------
+# Flash attention modules (CUDA kernels).
+# ----------------------------------------------------------------------------------------------
+
+
+class FlashSelfAttention(nn.Module):
+    """qkv (b, s, 3, h, d), or (total, 3, h, d) with cu_seqlens (b+1,) int32 and max_seqlen."""
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0,
+                 window_size=(-1, -1), alibi_slopes=None, deterministic=False):
+        super().__init__()
+        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
+        self.drop = nn.Dropout(attention_dropout)
+        self.deterministic = deterministic
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+
+    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None):
+        kwargs = dict(dropout_p=self.drop.p if self.training else 0.0,
+                      softmax_scale=self.softmax_scale,
+                      causal=self.causal if causal is None else causal,
+                      window_size=self.window_size, alibi_slopes=self.alibi_slopes,
+                      deterministic=self.deterministic)
+        if cu_seqlens is None:
+            return fai.flash_attn_qkvpacked_func(qkv, **kwargs)
+        return fai.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **kwargs)
+
+
+class FlashCrossAttention(nn.Module):
+    """q (b, s_q, h, d), kv (b, s_k, 2, h_k, d); or packed (total, ...) with cu_seqlens(_k)."""
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0,
+                 window_size=(-1, -1), alibi_slopes=None, deterministic=False):
+        super().__init__()
+        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
+        self.drop = nn.Dropout(attention_dropout)
+        self.deterministic = deterministic
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+
+    def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None,
+                max_seqlen_k=None):
+        kwargs = dict(dropout_p=self.drop.p if self.training else 0.0,
+                      softmax_scale=self.softmax_scale,
+                      causal=self.causal if causal is None else causal,
+                      window_size=self.window_size, alibi_slopes=self.alibi_slopes,
+                      deterministic=self.deterministic)
+        if cu_seqlens is None:
+            return fai.flash_attn_kvpacked_func(q, kv, **kwargs)
+        return fai.flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen,
+                                                   max_seqlen_k, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embedding: flash_attn.layers.rotary when present, else a small PyTorch stand-in.
+# ----------------------------------------------------------------------------------------------
+
+
+class _TorchRotaryEmbedding(nn.Module):
+    """The subset of layers.rotary.RotaryEmbedding that MHA uses, in plain PyTorch (no xPos)."""
+
+    def __init__(self, dim, base=10000.0, interleaved=False, scale_base=None,
+                 pos_idx_in_fp32=True, device=None):
+        super().__init__()
+        if scale_base is not None:
+            raise NotImplementedError("rotary scale_base (xPos) needs flash_attn.layers.rotary")
+        self.dim, self.interleaved = dim, interleaved
+        inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _rotate(self, x, cos, sin):
+        rot, rest = x[..., : self.dim].float(), x[..., self.dim:]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot.chunk(2, dim=-1)
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            rot = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return torch.cat((rot.to(x.dtype), rest), dim=-1)
+
+    def forward(self, qkv, kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None):
+        seqlen = qkv.shape[1]
+        pos = torch.arange(seqlen, device=qkv.device, dtype=torch.float32)
+        if isinstance(seqlen_offset, torch.Tensor):
+            pos = pos + seqlen_offset.view(-1, 1).float()  # (b, s): one offset per sample
+        else:
+            pos = pos + seqlen_offset
+        freqs = pos.unsqueeze(-1) * self.inv_freq  # (s, dim/2) or (b, s, dim/2)
+        shape = (freqs.shape[0] if freqs.dim() == 3 else 1, seqlen, 1, self.dim // 2)
+        cos, sin = freqs.cos().view(shape), freqs.sin().view(shape)
+        if kv is not None:  # qkv is q alone; kv (b, s, 2, h_k, d)
+            k, v = kv.unbind(dim=2)
+            return self._rotate(qkv, cos, sin), torch.stack((self._rotate(k, cos, sin), v), dim=2)
+        if num_heads_q is not None:  # (b, s, h + 2 h_k, d)
+            nk = (qkv.shape[2] - num_heads_q) // 2
+            q, k, v = qkv.split([num_heads_q, nk, nk], dim=2)
+            return torch.cat((self._rotate(q, cos, sin), self._rotate(k, cos, sin), v), dim=2)
+        q, k, v = qkv.unbind(dim=2)
+        return torch.stack((self._rotate(q, cos, sin), self._rotate(k, cos, sin), v), dim=2)
+
+
+def rotary_embedding_cls():
+    """The rotary module MHA builds, and its name (for reporting which path is active)."""
+    cls = import_optional("flash_attn.layers.rotary", "RotaryEmbedding")
+    return (cls, "flash_attn.layers.rotary") if cls is not None else (_TorchRotaryEmbedding, "torch")
+
+
+# ----------------------------------------------------------------------------------------------
+# MHA.
+# ----------------------------------------------------------------------------------------------
+
+
+class LinearResidual(nn.Linear):
+    """nn.Linear that also returns its input, so a block can fuse the residual add."""
+
+    def forward(self, input):
+        return super().forward(input), input
+
+
+_KVCACHE_KERNEL = {"available": None}  # None: not tried yet
+
+
+def _try_flash_kvcache(q, kv_cache, kv, cache_seqlens, **kwargs):
+    """flash_attn_with_kvcache, or None while this build has no kv-cache kernel."""
+    if _KVCACHE_KERNEL["available"] is False:
+        return None
+    try:
+        out = fai.flash_attn_with_kvcache(q, kv_cache[:, :, 0], kv_cache[:, :, 1], kv[:, :, 0],
+                                          kv[:, :, 1], cache_seqlens=cache_seqlens, **kwargs)
+    except NotImplementedError:
+        _KVCACHE_KERNEL["available"] = False
+        return None
+    _KVCACHE_KERNEL["available"] = True
+    return out
+
+
+def dense_classes(fused_bias_fc):
+    """(linear, linear returning its input) for the fused or plain path."""
+    if fused_bias_fc:
+        fused_dense = import_optional("flash_attn.ops.fused_dense", "FusedDense")
+        if fused_dense is not None:
+            return fused_dense, partial(fused_dense, return_residual=True)
+        warn_fallback("fused_bias_fc", "flash_attn.ops.fused_dense is unavailable")
+    return nn.Linear, LinearResidual
+
+
+class MHA(nn.Module):
+    """Multi-head (or grouped-query) self / cross attention with in and out projections.
+
+    x (b, s, embed_dim), or (total, embed_dim) with cu_seqlens/max_seqlen (varlen). Options pick
+    modules: use_flash_attn the inner attention, fused_bias_fc the projections, rotary_emb_dim
+    the rotary module; inference_params (utils.generation.InferenceParams) turns on the kv cache.
+    """
+
+    def __init__(self, embed_dim, num_heads, num_heads_kv=None, cross_attn=False,
+                 qkv_proj_bias=True, out_proj_bias=True, dropout=0.0, softmax_scale=None,
+                 causal=False, layer_idx=None, dwconv=False, rotary_emb_dim=0,
+                 rotary_emb_base=10000.0, rotary_emb_scale_base=None,
+                 rotary_emb_interleaved=False, use_alibi=False, window_size=(-1, -1),
+                 fused_bias_fc=False, use_flash_attn=False, return_residual=False,
+                 checkpointing=False, device=None, dtype=None):
+        factory = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.num_heads_kv = num_heads_kv if num_heads_kv is not None else num_heads
+        if num_heads % self.num_heads_kv != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_heads_kv "
+                             f"({self.num_heads_kv})")
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        self.head_dim = embed_dim // num_heads
+        self.cross_attn, self.causal, self.layer_idx = cross_attn, causal, layer_idx
+        self.dwconv, self.rotary_emb_dim = dwconv, rotary_emb_dim
+        self.use_flash_attn, self.return_residual = use_flash_attn, return_residual
+        self.checkpointing, self.softmax_scale, self.window_size = checkpointing, softmax_scale, window_size
+        qkv_dim = self.head_dim * (num_heads + 2 * self.num_heads_kv)
+        kv_dim = 2 * self.head_dim * self.num_heads_kv
+
+        alibi_slopes = (torch.tensor(get_alibi_slopes(num_heads), device=device)
+                        if use_alibi else None)
+        if rotary_emb_dim > 0:
+            if cross_attn:
+                raise ValueError("MHA: rotary embeddings are not supported with cross_attn")
+            rotary_cls, self.rotary_path = rotary_embedding_cls()
+            self.rotary_emb = rotary_cls(rotary_emb_dim, base=rotary_emb_base,
+                                         scale_base=rotary_emb_scale_base,
+                                         interleaved=rotary_emb_interleaved, device=device)
+
+        linear_cls, linear_resid_cls = dense_classes(fused_bias_fc)
+        in_proj_cls = linear_resid_cls if return_residual else linear_cls
+        if not cross_attn:
+            self.Wqkv = in_proj_cls(embed_dim, qkv_dim, bias=qkv_proj_bias, **factory)
+        else:
+            self.Wq = in_proj_cls(embed_dim, embed_dim, bias=qkv_proj_bias, **factory)
+            self.Wkv = linear_cls(embed_dim, kv_dim, bias=qkv_proj_bias, **factory)
+        if dwconv:  # causal depthwise conv over the sequence (Primer-style)
+            if cross_attn:
+                self.dwconv_q = nn.Conv1d(embed_dim, embed_dim, 3, padding=2, groups=embed_dim, **factory)
+                self.dwconv_kv = nn.Conv1d(kv_dim, kv_dim, 3, padding=2, groups=kv_dim, **factory)
+            else:
+                self.dwconv_qkv = nn.Conv1d(qkv_dim, qkv_dim, 3, padding=2, groups=qkv_dim, **factory)
+
+        attn_kwargs = dict(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout,
+                           window_size=window_size, alibi_slopes=alibi_slopes)
+        self.inner_attn = (FlashSelfAttention if use_flash_attn else SelfAttention)(**attn_kwargs)
+        self.inner_cross_attn = (FlashCrossAttention if use_flash_attn else CrossAttention)(**attn_kwargs)
+        self.out_proj = linear_cls(embed_dim, embed_dim, bias=out_proj_bias, **factory)
+
+    def extra_repr(self):
+        rotary = f", rotary={self.rotary_path}" if self.rotary_emb_dim > 0 else ""
+        return f"attention={'flash' if self.use_flash_attn else 'torch'}{rotary}"
+
+    # -- kv cache ------------------------------------------------------------------------------
+
+    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):
+        weight = self.out_proj.weight
+        # zeros, not empty: the PyTorch path multiplies masked (probability 0) slots by them.
+        return torch.zeros(batch_size, max_seqlen, 2, self.num_heads_kv, self.head_dim,
+                           dtype=dtype or weight.dtype, device=weight.device)
+
+    def _kv_cache(self, inference_params):
+        caches = inference_params.key_value_memory_dict
+        if self.layer_idx not in caches:
+            caches[self.layer_idx] = self.allocate_inference_cache(
+                inference_params.max_batch_size, inference_params.max_seqlen)
+        return caches[self.layer_idx]
+
+    def _attend_with_cache(self, q, kv, inference_params):
+        """Append kv (b, s, 2, h_k, d) to this layer's cache; attend q to the whole cache."""
+        start = inference_params.batch_size_offset
+        cache = self._kv_cache(inference_params)[start: start + q.shape[0]]
+        lengths = inference_params.lengths_per_sample
+        cache_seqlens = (lengths[start: start + q.shape[0]] if lengths is not None
+                         else inference_params.seqlen_offset)
+        if self.use_flash_attn and q.is_cuda:
+            seqlens = cache_seqlens
+            if not isinstance(seqlens, torch.Tensor):
+                seqlens = torch.full((q.shape[0],), seqlens, dtype=torch.int32, device=q.device)
+            out = _try_flash_kvcache(q, cache, kv, seqlens.to(torch.int32),
+                                     softmax_scale=self.inner_cross_attn.softmax_scale,
+                                     causal=self.causal, window_size=self.window_size,
+                                     alibi_slopes=self.inner_cross_attn.alibi_slopes)
+            if out is not None:
+                return out
+        seqlen = q.shape[1]
+        if isinstance(cache_seqlens, int):
+            cache[:, cache_seqlens: cache_seqlens + seqlen] = kv
+            keys = cache[:, : cache_seqlens + seqlen]
+            if self.use_flash_attn and q.is_cuda:
+                return self.inner_cross_attn(q, keys)
+            key_padding_mask = None
+        else:  # per-sample lengths (CUDA-graph decoding): fixed shapes, masks instead of slices
+            pos = cache_seqlens.view(-1, 1).long() + torch.arange(seqlen, device=q.device)
+            rows = torch.arange(q.shape[0], device=q.device).view(-1, 1)
+            cache[rows, pos] = kv.to(cache.dtype)
+            keys = cache
+            key_padding_mask = (torch.arange(cache.shape[1], device=q.device)
+                                < (cache_seqlens.view(-1, 1) + seqlen))
+        attn = self.inner_cross_attn
+        return attention_reference(q, keys[:, :, 0], keys[:, :, 1], causal=self.causal,
+                                   softmax_scale=attn.softmax_scale,
+                                   key_padding_mask=key_padding_mask,
+                                   window_size=self.window_size, alibi_slopes=attn.alibi_slopes)
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _project(self, x, x_kv, mixer_subset):
+        """-> (qkv, None) packed (..., 3, h, d) when heads match and not cross_attn, else
+        (q (..., h, d), kv (..., 2, h_k, d)); and the input when return_residual."""
+        residual = None
+        if not self.cross_attn:
+            if x_kv is not None or mixer_subset is not None:
+                raise ValueError("MHA: x_kv and mixer_subset need cross_attn=True")
+            qkv = self.Wqkv(x)
+            if self.return_residual:
+                qkv, residual = qkv
+            if self.dwconv:
+                qkv = _causal_dwconv(self.dwconv_qkv, qkv)
+            if self.num_heads_kv == self.num_heads:
+                return qkv.unflatten(-1, (3, self.num_heads, self.head_dim)), None, residual
+            q, kv = qkv.split([self.num_heads * self.head_dim,
+                               2 * self.num_heads_kv * self.head_dim], dim=-1)
+        else:
+            q = self.Wq(x if mixer_subset is None else x[:, mixer_subset])
+            if self.return_residual:
+                q, residual = q
+            kv = self.Wkv(x_kv if x_kv is not None else x)
+            if self.dwconv:
+                q, kv = _causal_dwconv(self.dwconv_q, q), _causal_dwconv(self.dwconv_kv, kv)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        kv = kv.unflatten(-1, (2, self.num_heads_kv, self.head_dim))
+        return q, kv, residual
+
+    def _apply_rotary(self, q_or_qkv, kv, inference_params):
+        if inference_params is None:
+            offset, max_seqlen = 0, None
+        else:
+            offset = (inference_params.lengths_per_sample
+                      if inference_params.lengths_per_sample is not None
+                      else inference_params.seqlen_offset)
+            max_seqlen = inference_params.max_seqlen
+        if kv is None:
+            return self.rotary_emb(q_or_qkv, seqlen_offset=offset, max_seqlen=max_seqlen), None
+        return self.rotary_emb(q_or_qkv, kv, seqlen_offset=offset, max_seqlen=max_seqlen)
+
+    def _attend(self, q_or_qkv, kv, key_padding_mask=None, cu_seqlens=None, max_seqlen=None):
+        if self.use_flash_attn:
+            if key_padding_mask is not None:
+                raise ValueError("MHA: key_padding_mask needs use_flash_attn=False; with flash "
+                                 "attention unpad the batch (bert_padding) and pass cu_seqlens")
+            varlen = {}
+        else:
+            varlen = {"key_padding_mask": key_padding_mask}
+        if cu_seqlens is not None:
+            varlen.update(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if kv is None:
+            fn, args = self.inner_attn, (q_or_qkv,)
+        else:
+            fn, args = self.inner_cross_attn, (q_or_qkv, kv)
+            if cu_seqlens is not None:
+                varlen.update(cu_seqlens_k=cu_seqlens, max_seqlen_k=max_seqlen)
+        if self.checkpointing and self.training:
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **varlen)
+        return fn(*args, **varlen)
+
+    def _attend_in_inference(self, q_or_qkv, kv, inference_params):
+        if kv is None:
+            q_or_qkv, kv = q_or_qkv[..., 0, :, :], q_or_qkv[..., 1:, :, :]
+        if inference_params.seqlen_offset == 0:
+            # Prefill: attention over the prompt alone, and the cache filled for later steps.
+            start = inference_params.batch_size_offset
+            cache = self._kv_cache(inference_params)
+            cache[start: start + kv.shape[0], : kv.shape[1]] = kv
+            return self._attend(q_or_qkv, kv)
+        return self._attend_with_cache(q_or_qkv, kv, inference_params)
+
+    def forward(self, x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
+                mixer_subset=None, inference_params=None, **kwargs):
+        if inference_params is not None and (cu_seqlens is not None or key_padding_mask is not None
+                                             or self.dwconv):
+            raise ValueError("MHA: inference_params cannot be combined with cu_seqlens, "
+                             "key_padding_mask or dwconv")
+        q_or_qkv, kv, residual = self._project(x, x_kv, mixer_subset)
+        if self.rotary_emb_dim > 0:
+            q_or_qkv, kv = self._apply_rotary(q_or_qkv, kv, inference_params)
+        if inference_params is None:
+            context = self._attend(q_or_qkv, kv, key_padding_mask, cu_seqlens, max_seqlen)
+        else:
+            context = self._attend_in_inference(q_or_qkv, kv, inference_params)
+        out = self.out_proj(context.flatten(-2))
+        return out if not self.return_residual else (out, residual)
+
+
+def _causal_dwconv(conv, x):
+    """Depthwise conv over the sequence of x (b, s, d), seeing only the current and past rows."""
+    return rearrange(conv(rearrange(x, "b s d -> b d s"))[..., :-2], "b d s -> b s d").contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor-parallel MHA: heads split over process_group ranks.
+# ----------------------------------------------------------------------------------------------
+
+
+class ParallelMHA(MHA):
+    """MHA with Wqkv column-parallel and out_proj row-parallel over process_group.
+
+    Each rank holds its share of heads (get_dim_for_local_rank). With sequence_parallel the input
+    is this rank's slice of the (batch * seqlen) rows; pass seqlen to say how to unflatten it.
+    """
+
+    def __init__(self, embed_dim, num_heads, process_group, num_heads_kv=None,
+                 qkv_proj_bias=True, out_proj_bias=True, dropout=0.0, softmax_scale=None,
+                 causal=False, layer_idx=None, rotary_emb_dim=0, rotary_emb_base=10000.0,
+                 rotary_emb_scale_base=None, rotary_emb_interleaved=False, use_alibi=False,
+                 window_size=(-1, -1), use_flash_attn=False, checkpointing=False,
+                 sequence_parallel=True, device=None, dtype=None):
+        from flash_attn.ops.fused_dense import ColumnParallelLinear, RowParallelLinear
+        from flash_attn.utils.distributed import get_dim_for_local_rank
+
+        factory = {"device": device, "dtype": dtype}
+        nn.Module.__init__(self)
+        world_size = torch.distributed.get_world_size(process_group)
+        rank = torch.distributed.get_rank(process_group)
+        num_heads_kv = num_heads_kv if num_heads_kv is not None else num_heads
+        if num_heads % num_heads_kv != 0 or embed_dim % num_heads != 0:
+            raise ValueError("ParallelMHA: num_heads must divide embed_dim and be divisible by "
+                             "num_heads_kv")
+        self.embed_dim, self.head_dim = embed_dim, embed_dim // num_heads
+        self.process_group, self.sequence_parallel = process_group, sequence_parallel
+        self.num_heads_total, self.num_heads_kv_total = num_heads, num_heads_kv
+        self.num_heads = get_dim_for_local_rank(num_heads, world_size, rank)
+        self.num_heads_kv = get_dim_for_local_rank(num_heads_kv, world_size, rank)
+        if self.num_heads != self.num_heads_kv * (num_heads // num_heads_kv):
+            raise ValueError(f"ParallelMHA: {num_heads} heads over {num_heads_kv} kv heads do not "
+                             f"split evenly over {world_size} ranks")
+        self.cross_attn, self.dwconv, self.causal, self.layer_idx = False, False, causal, layer_idx
+        self.rotary_emb_dim, self.use_flash_attn, self.return_residual = rotary_emb_dim, use_flash_attn, False
+        self.checkpointing, self.softmax_scale, self.window_size = checkpointing, softmax_scale, window_size
+
+        alibi_slopes = None
+        if use_alibi:
+            first = sum(get_dim_for_local_rank(num_heads, world_size, r) for r in range(rank))
+            alibi_slopes = torch.tensor(get_alibi_slopes(num_heads)[first: first + self.num_heads],
+                                        device=device)
+        if rotary_emb_dim > 0:
+            rotary_cls, self.rotary_path = rotary_embedding_cls()
+            self.rotary_emb = rotary_cls(rotary_emb_dim, base=rotary_emb_base,
+                                         scale_base=rotary_emb_scale_base,
+                                         interleaved=rotary_emb_interleaved, device=device)
+        group_size = num_heads // num_heads_kv
+        qkv_dim = self.head_dim * (num_heads + 2 * num_heads_kv)
+        self.Wqkv = ColumnParallelLinear(embed_dim, qkv_dim, process_group, bias=qkv_proj_bias,
+                                         sequence_parallel=sequence_parallel,
+                                         multiple_of=self.head_dim * (group_size + 2), **factory)
+        attn_kwargs = dict(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout,
+                           window_size=window_size, alibi_slopes=alibi_slopes)
+        self.inner_attn = (FlashSelfAttention if use_flash_attn else SelfAttention)(**attn_kwargs)
+        self.inner_cross_attn = (FlashCrossAttention if use_flash_attn else CrossAttention)(**attn_kwargs)
+        self.out_proj = RowParallelLinear(embed_dim, embed_dim, process_group, bias=out_proj_bias,
+                                          sequence_parallel=sequence_parallel,
+                                          multiple_of=self.head_dim, **factory)
+
+    def forward(self, x, seqlen=None, inference_params=None, **kwargs):
+        qkv = self.Wqkv(x)
+        if seqlen is not None:  # rows were (batch * seqlen): restore the sequence axis
+            qkv = rearrange(qkv, "(b s) d -> b s d", s=seqlen)
+        if self.num_heads_kv == self.num_heads:
+            q_or_qkv, kv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)), None
+        else:
+            q, kv = qkv.split([self.num_heads * self.head_dim,
+                               2 * self.num_heads_kv * self.head_dim], dim=-1)
+            q_or_qkv = q.unflatten(-1, (self.num_heads, self.head_dim))
+            kv = kv.unflatten(-1, (2, self.num_heads_kv, self.head_dim))
+        if self.rotary_emb_dim > 0:
+            q_or_qkv, kv = self._apply_rotary(q_or_qkv, kv, inference_params)
+        if inference_params is None:
+            context = self._attend(q_or_qkv, kv)
+        else:
+            context = self._attend_in_inference(q_or_qkv, kv, inference_params)
+        context = context.flatten(-2)
+        if seqlen is not None:
+            context = rearrange(context, "b s d -> (b s) d")
+        return self.out_proj(context)
