@@ -123,20 +123,19 @@ def gencode_flags(archs):
     return flags
 
 
-def attention_sources_and_defines(folder):
+def attention_sources(folder):
+    """Generated instantiation units of the attention kernels selected by FLASH_ATTN_HDIMS/DTYPES."""
     spec = importlib.util.spec_from_file_location("generate_kernels", ROOT / folder / "generate_kernels.py")
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
     hdims = sorted(int(d) for d in env_list("FLASH_ATTN_HDIMS", ALL_HDIMS))
     dtypes = env_list("FLASH_ATTN_DTYPES", ALL_DTYPES)
     unknown = [d for d in hdims if d not in ALL_HDIMS] + [t for t in dtypes if t not in ALL_DTYPES]
-    if unknown:
-        sys.exit(f"flash_attn: FLASH_ATTN_HDIMS/FLASH_ATTN_DTYPES name unknown values {unknown}; "
+    if unknown or not hdims or not dtypes:
+        sys.exit(f"flash_attn: FLASH_ATTN_HDIMS/FLASH_ATTN_DTYPES name no or unknown values {unknown}; "
                  f"choose from {ALL_HDIMS} and {ALL_DTYPES}")
     generated = generator.write_instantiations(ROOT / folder / "src" / "generated", hdims, dtypes)
-    defines = [f"-DFLASH_ATTN_BUILD_HDIM_{d}" for d in hdims]
-    defines += [f"-DFLASH_ATTN_BUILD_{t.upper()}" for t in dtypes]
-    return [os.path.relpath(p, ROOT) for p in generated], defines
+    return [os.path.relpath(p, ROOT) for p in generated]
 
 
 def cuda_extensions():
@@ -174,7 +173,6 @@ def cuda_extensions():
             continue  # this extension has not been written yet
         include_dirs = [str(ROOT / folder), str(ROOT / folder / "src")]
         library_dirs = []
-        defines = []
         if row.get("needs_cutlass"):
             include_dirs.append(cutlass_include_dir())
         for component in row.get("nvidia_wheels", ()):
@@ -182,8 +180,7 @@ def cuda_extensions():
             include_dirs += inc
             library_dirs += lib
         if row.get("attention"):
-            generated, defines = attention_sources_and_defines(folder)
-            sources += generated
+            sources += attention_sources(folder)
         extensions.append(
             CUDAExtension(
                 name=name,
@@ -191,8 +188,7 @@ def cuda_extensions():
                 include_dirs=include_dirs,
                 library_dirs=library_dirs,
                 libraries=row.get("libraries", []),
-                extra_compile_args={"cxx": ["-O3", "-std=c++17"] + defines,
-                                    "nvcc": common_nvcc + defines},
+                extra_compile_args={"cxx": ["-O3"], "nvcc": common_nvcc},
             )
         )
     return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -1,0 +1,275 @@
+// The torch binding of the attention kernels (module flash_attn_2_cuda): argument checks,
+// allocation, one params struct, dispatch. The only attention file that includes torch.
+#include <cmath>
+#include <optional>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#include <torch/extension.h>
+
+#include "src/flash.h"
+
+namespace {
+
+#define FLASH_CHECK(cond, ...) TORCH_CHECK(cond, "flash_attn: ", __VA_ARGS__)
+
+constexpr int kMaxHeadDim = 256;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Every tensor argument goes through here: it must match q's dtype and device, have a
+// contiguous last dimension and the given shape.
+void check_like_q(const at::Tensor &t, const char *name, const at::Tensor &q, at::IntArrayRef shape) {
+    FLASH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have the dtype of q (", q.scalar_type(),
+                "), got ", t.scalar_type());
+    FLASH_CHECK(t.device() == q.device(), name, " must be on the device of q (", q.device(), "), got ", t.device());
+    FLASH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+    FLASH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension, got strides ", t.strides());
+}
+
+void check_int32(const at::Tensor &t, const char *name, const at::Tensor &q, at::IntArrayRef shape) {
+    FLASH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+    FLASH_CHECK(t.device() == q.device(), name, " must be on the device of q (", q.device(), "), got ", t.device());
+    FLASH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+    FLASH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// q itself: dtype, device, head dim; and the GPU it runs on.
+void check_q(const at::Tensor &q, int64_t rank) {
+    FLASH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                "q must be float16 or bfloat16, got ", q.scalar_type());
+    FLASH_CHECK(q.is_cuda(), "q must be on a CUDA device, got ", q.device());
+    FLASH_CHECK(q.dim() == rank, "q must be ", rank, "-D, got shape ", q.sizes());
+    FLASH_CHECK(q.stride(-1) == 1, "q must be contiguous in its last dimension, got strides ", q.strides());
+    const int64_t head_dim = q.size(-1);
+    FLASH_CHECK(head_dim <= kMaxHeadDim, "head dim must be at most ", kMaxHeadDim, ", got ", head_dim);
+    FLASH_CHECK(head_dim % 8 == 0, "head dim must be a multiple of 8 (flash_attn_func pads it), got ", head_dim);
+    const auto *props = at::cuda::getCurrentDeviceProperties();
+    FLASH_CHECK(props->major >= 8, "needs an sm80 (Ampere) or newer GPU, got sm", props->major, props->minor);
+    FLASH_CHECK(flash::compiled_dtype(q.scalar_type() == at::kBFloat16), "the ", q.scalar_type(),
+                " kernels are not compiled in this build (rebuild with FLASH_ATTN_DTYPES including it)");
+}
+
+// Everything of AttentionParams that does not depend on the input layout.
+void set_common_params(flash::AttentionParams &params, const at::Tensor &q, const at::Tensor &k,
+                       const at::Tensor &out, const at::Tensor &softmax_lse, int batch, int seqlen_q,
+                       int seqlen_k, float p_dropout, float softmax_scale, bool is_causal,
+                       int window_size_left, int window_size_right, float softcap,
+                       const std::optional<at::Tensor> &alibi_slopes_) {
+    params.q_ptr = q.data_ptr();
+    params.o_ptr = out.data_ptr();
+    params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
+    params.is_bf16 = q.scalar_type() == at::kBFloat16;
+    params.batch = batch;
+    params.heads = int(q.size(-2));
+    params.heads_k = int(k.size(-2));
+    params.heads_per_head_k = params.heads / params.heads_k;
+    params.head_dim = int(q.size(-1));
+    params.seqlen_q = seqlen_q;
+    params.seqlen_k = seqlen_k;
+    params.seqlen_q_rounded = int(round_up(seqlen_q, 128));
+    params.seqlen_k_rounded = int(round_up(seqlen_k, 128));
+
+    FLASH_CHECK(softcap >= 0.f, "softcap must be >= 0, got ", softcap);
+    if (softcap > 0.f) {
+        params.softcap = softcap;
+        params.softcap_input_scale = softmax_scale / softcap;
+        params.scale_softmax = softcap;
+    } else {
+        params.scale_softmax = softmax_scale;
+    }
+    params.scale_softmax_log2 = params.scale_softmax * float(M_LOG2E);
+
+    // Causal is the window (-1, 0). A window side that reaches past every key of every query is
+    // no bound at all: drop it so that the cheaper unmasked tiles apply.
+    if (is_causal) { window_size_right = 0; }
+    if (window_size_left >= seqlen_k) { window_size_left = -1; }
+    if (window_size_right >= seqlen_q) { window_size_right = -1; }
+    FLASH_CHECK(window_size_left >= -1 && window_size_right >= -1,
+                "window_size entries must be >= -1, got (", window_size_left, ", ", window_size_right, ")");
+    params.is_causal = is_causal;
+    params.window_size_left = window_size_left;
+    params.window_size_right = window_size_right;
+    params.is_masked = window_size_left >= 0 || window_size_right >= 0;
+
+    FLASH_CHECK(p_dropout >= 0.f && p_dropout < 1.f, "dropout_p must be in [0, 1), got ", p_dropout);
+    params.p_dropout = 1.f - p_dropout;
+    params.rp_dropout = 1.f / params.p_dropout;
+    params.dropout_keep_threshold = uint32_t(std::lround(double(params.p_dropout) * 65536.0));
+
+    if (alibi_slopes_.has_value()) {
+        const at::Tensor &slopes = alibi_slopes_.value();
+        FLASH_CHECK(slopes.scalar_type() == at::kFloat, "alibi_slopes must be float32, got ", slopes.scalar_type());
+        FLASH_CHECK(slopes.device() == q.device(), "alibi_slopes must be on the device of q");
+        FLASH_CHECK(slopes.stride(-1) == 1, "alibi_slopes must be contiguous in its last dimension");
+        FLASH_CHECK((slopes.dim() == 1 && slopes.size(0) == params.heads) ||
+                        (slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == params.heads),
+                    "alibi_slopes must have shape (", params.heads, ") or (", batch, ", ", params.heads,
+                    "), got ", slopes.sizes());
+        params.alibi_slopes_ptr = slopes.data_ptr<float>();
+        params.alibi_slopes_batch_stride = slopes.dim() == 2 ? slopes.stride(0) : 0;
+    }
+}
+
+// Reserves this launch's Philox offsets from the generator; returns the rng_state tensor that
+// the kernel fills with the seed and offset it used (the backward replays them).
+at::Tensor set_dropout_rng(flash::AttentionParams &params, const at::Tensor &q,
+                           const std::optional<at::Generator> &gen_) {
+    auto rng_state = at::empty({2}, q.options().dtype(at::kLong));
+    if (params.p_dropout < 1.f) {
+        auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+            gen_, at::cuda::detail::getDefaultCUDAGenerator());
+        at::PhiloxCudaState state;
+        {
+            std::lock_guard<std::mutex> lock(gen->mutex_);
+            state = gen->philox_cuda_state(flash::dropout_offsets_per_launch(params.seqlen_k_rounded));
+        }
+        params.philox.captured = state.captured_;
+        if (state.captured_) {
+            params.philox.seed_ptr = state.seed_.ptr;
+            params.philox.offset_ptr = state.offset_.ptr;
+            params.philox.offset_intragraph = state.offset_intragraph_;
+        } else {
+            params.philox.seed = state.seed_.val;
+            params.philox.offset = state.offset_.val;
+        }
+        params.rng_state = rng_state.data_ptr<int64_t>();
+    }
+    return rng_state;
+}
+
+at::Tensor make_s_dmask(flash::AttentionParams &params, const at::Tensor &q, bool return_softmax) {
+    if (!return_softmax) { return at::empty({0}, q.options()); }
+    FLASH_CHECK(params.p_dropout < 1.f, "return_softmax needs dropout_p > 0 (S_dmask encodes the dropout mask)");
+    auto p = at::zeros({params.batch, params.heads, params.seqlen_q_rounded, params.seqlen_k_rounded}, q.options());
+    params.p_ptr = p.data_ptr();
+    return p;
+}
+
+at::Tensor out_or_new(const std::optional<at::Tensor> &out_, const at::Tensor &q) {
+    if (!out_.has_value()) { return at::empty_like(q); }
+    check_like_q(out_.value(), "out", q, q.sizes());
+    return out_.value();
+}
+
+void check_heads(const at::Tensor &q, const at::Tensor &k) {
+    FLASH_CHECK(q.size(-2) % k.size(-2) == 0, "the number of heads of k (", k.size(-2),
+                ") must divide the number of heads of q (", q.size(-2), ")");
+}
+
+// q (b, s_q, h, d), k/v (b, s_k, h_k, d) -> out, softmax_lse (b, h, s_q), S_dmask, rng_state.
+std::vector<at::Tensor> mha_fwd(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                                std::optional<at::Tensor> out_, std::optional<at::Tensor> alibi_slopes_,
+                                double p_dropout, double softmax_scale, bool is_causal,
+                                int64_t window_size_left, int64_t window_size_right, double softcap,
+                                bool return_softmax, std::optional<at::Generator> gen_) {
+    check_q(q, 4);
+    const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
+    FLASH_CHECK(k.dim() == 4, "k must be 4-D (batch, seqlen_k, heads_k, head_dim), got shape ", k.sizes());
+    const int64_t seqlen_k = k.size(1), heads_k = k.size(2);
+    check_like_q(k, "k", q, {batch, seqlen_k, heads_k, head_dim});
+    check_like_q(v, "v", q, {batch, seqlen_k, heads_k, head_dim});
+    check_heads(q, k);
+    at::cuda::CUDAGuard device_guard{q.device()};
+
+    at::Tensor out = out_or_new(out_, q);
+    auto softmax_lse = at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
+    flash::AttentionParams params;
+    set_common_params(params, q, k, out, softmax_lse, int(batch), int(seqlen_q), int(seqlen_k),
+                      float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
+                      int(window_size_right), float(softcap), alibi_slopes_);
+    params.k_ptr = k.data_ptr();
+    params.v_ptr = v.data_ptr();
+    params.q_batch_stride = q.stride(0), params.q_row_stride = q.stride(1), params.q_head_stride = q.stride(2);
+    params.k_batch_stride = k.stride(0), params.k_row_stride = k.stride(1), params.k_head_stride = k.stride(2);
+    params.v_batch_stride = v.stride(0), params.v_row_stride = v.stride(1), params.v_head_stride = v.stride(2);
+    params.o_batch_stride = out.stride(0), params.o_row_stride = out.stride(1), params.o_head_stride = out.stride(2);
+    params.total_q = int(batch * seqlen_q);
+    at::Tensor p = make_s_dmask(params, q, return_softmax);
+    at::Tensor rng_state = set_dropout_rng(params, q, gen_);
+
+    if (out.numel() > 0) { flash::run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream()); }
+    return {out, softmax_lse, p, rng_state};
+}
+
+// q (total_q, h, d); k/v (total_k, h_k, d), or paged (num_blocks, page_block_size, h_k, d) with
+// block_table (b, max_blocks); cu_seqlens_q/k (b + 1) -> out, softmax_lse (h, total_q), S_dmask,
+// rng_state.
+std::vector<at::Tensor> mha_varlen_fwd(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, std::optional<at::Tensor> out_,
+    const at::Tensor &cu_seqlens_q, const at::Tensor &cu_seqlens_k, std::optional<at::Tensor> seqused_k_,
+    std::optional<at::Tensor> leftpad_k_, std::optional<at::Tensor> block_table_,
+    std::optional<at::Tensor> alibi_slopes_, int64_t max_seqlen_q, int64_t max_seqlen_k, double p_dropout,
+    double softmax_scale, bool zero_tensors, bool is_causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, bool return_softmax, std::optional<at::Generator> gen_) {
+    check_q(q, 3);
+    const int64_t total_q = q.size(0), heads = q.size(1), head_dim = q.size(2);
+    const int64_t batch = cu_seqlens_q.numel() - 1;
+    FLASH_CHECK(batch >= 0, "cu_seqlens_q must have batch + 1 >= 1 entries");
+    check_int32(cu_seqlens_q, "cu_seqlens_q", q, {batch + 1});
+    check_int32(cu_seqlens_k, "cu_seqlens_k", q, {batch + 1});
+    FLASH_CHECK(!leftpad_k_.has_value(), "leftpad_k is not supported by varlen_fwd");
+    FLASH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q and max_seqlen_k must be >= 0");
+    const bool paged = block_table_.has_value();
+    const int64_t heads_k = k.size(-2);
+    if (paged) {
+        FLASH_CHECK(k.dim() == 4, "k must be 4-D (num_blocks, page_block_size, heads_k, head_dim) with "
+                    "block_table, got shape ", k.sizes());
+        check_like_q(k, "k", q, {k.size(0), k.size(1), heads_k, head_dim});
+        check_like_q(v, "v", q, k.sizes());
+        FLASH_CHECK(k.size(1) % 256 == 0, "the page_block_size of a paged k/v (k.size(1)) must be a "
+                    "multiple of 256, got ", k.size(1));
+        check_int32(block_table_.value(), "block_table", q, {batch, block_table_->size(-1)});
+    } else {
+        FLASH_CHECK(k.dim() == 3, "k must be 3-D (total_k, heads_k, head_dim), got shape ", k.sizes());
+        check_like_q(k, "k", q, {k.size(0), heads_k, head_dim});
+        check_like_q(v, "v", q, k.sizes());
+    }
+    if (seqused_k_.has_value()) { check_int32(seqused_k_.value(), "seqused_k", q, {batch}); }
+    check_heads(q, k);
+    at::cuda::CUDAGuard device_guard{q.device()};
+
+    at::Tensor out = out_or_new(out_, q);
+    auto softmax_lse = at::empty({heads, total_q}, q.options().dtype(at::kFloat));
+    flash::AttentionParams params;
+    set_common_params(params, q, k, out, softmax_lse, int(batch), int(max_seqlen_q), int(max_seqlen_k),
+                      float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
+                      int(window_size_right), float(softcap), alibi_slopes_);
+    params.k_ptr = k.data_ptr();
+    params.v_ptr = v.data_ptr();
+    params.q_row_stride = q.stride(0), params.q_head_stride = q.stride(1);
+    params.o_row_stride = out.stride(0), params.o_head_stride = out.stride(1);
+    params.k_row_stride = k.stride(-3), params.k_head_stride = k.stride(-2);
+    params.v_row_stride = v.stride(-3), params.v_head_stride = v.stride(-2);
+    if (paged) {
+        params.k_batch_stride = k.stride(0), params.v_batch_stride = v.stride(0);
+        params.block_table = block_table_->data_ptr<int>();
+        params.block_table_batch_stride = block_table_->stride(0);
+        params.page_block_size = int(k.size(1));
+    }
+    params.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
+    params.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
+    params.seqused_k = seqused_k_.has_value() ? seqused_k_->data_ptr<int>() : nullptr;
+    params.total_q = int(total_q);
+    at::Tensor p = make_s_dmask(params, q, return_softmax);
+    at::Tensor rng_state = set_dropout_rng(params, q, gen_);
+
+    if (zero_tensors) {
+        out.zero_();
+        softmax_lse.fill_(-std::numeric_limits<float>::infinity());
+    }
+    if (total_q > 0 && batch > 0 && max_seqlen_q > 0) {
+        flash::run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());
+    }
+    return {out, softmax_lse, p, rng_state};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "flash_attn: exact tiled attention kernels (CUDA)";
+    m.def("fwd", &mha_fwd, "Attention forward, (batch, seqlen, heads, head_dim) inputs");
+    m.def("varlen_fwd", &mha_varlen_fwd, "Attention forward, variable-length (total, heads, head_dim) inputs");
+}

@@ -1,0 +1,102 @@
+// The parameters of one attention launch: what the binding fills in and every kernel reads.
+// Plain data only (no torch types) so that kernel translation units compile without torch.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace flash {
+
+// Where the dropout random stream starts. Outside CUDA-graph capture the seed and offset are
+// plain values; under capture they live in device memory that the graph updates on replay.
+struct PhiloxState {
+    uint64_t seed = 0;
+    uint64_t offset = 0;
+    const int64_t *seed_ptr = nullptr;    // set when captured
+    const int64_t *offset_ptr = nullptr;  // set when captured
+    uint64_t offset_intragraph = 0;
+    bool captured = false;
+};
+
+struct AttentionParams {
+    using index_t = int64_t;
+
+    // Inputs, (batch, seqlen, heads, head_dim) or varlen (total, heads, head_dim). Strides in
+    // elements; the last dimension is contiguous.
+    void *__restrict__ q_ptr = nullptr;
+    void *__restrict__ k_ptr = nullptr;
+    void *__restrict__ v_ptr = nullptr;
+    index_t q_batch_stride = 0, k_batch_stride = 0, v_batch_stride = 0;
+    index_t q_row_stride = 0, k_row_stride = 0, v_row_stride = 0;
+    index_t q_head_stride = 0, k_head_stride = 0, v_head_stride = 0;
+
+    // Output and its log-sum-exp. softmax_lse is (batch, heads, seqlen_q), or (heads, total_q)
+    // for varlen inputs.
+    void *__restrict__ o_ptr = nullptr;
+    index_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+    float *__restrict__ softmax_lse_ptr = nullptr;
+
+    // S_dmask (batch, heads, seqlen_q_rounded, seqlen_k_rounded): probabilities, negated where
+    // dropout dropped them. Written only when return_softmax and dropout is on.
+    void *__restrict__ p_ptr = nullptr;
+
+    int batch = 0, heads = 0, heads_k = 0, heads_per_head_k = 1;
+    int seqlen_q = 0, seqlen_k = 0;  // max over the batch for varlen
+    int seqlen_q_rounded = 0, seqlen_k_rounded = 0;
+    int head_dim = 0;                // actual head dim (a multiple of 8), <= the kernel's
+    int total_q = 0;
+
+    // Varlen: cumulative offsets (batch + 1) of each sequence in the packed q/k/v.
+    const int *__restrict__ cu_seqlens_q = nullptr;
+    const int *__restrict__ cu_seqlens_k = nullptr;
+    const int *__restrict__ seqused_k = nullptr;  // optional: keys actually used per sequence
+
+    // Paged K/V: k/v are (num_blocks, page_block_size, heads_k, head_dim); block_table maps
+    // (batch, logical block) to a physical block. page_block_size is a multiple of every kBlockN.
+    const int *__restrict__ block_table = nullptr;
+    index_t block_table_batch_stride = 0;
+    int page_block_size = 0;
+
+    // Softmax. With softcap > 0 the kernel computes tanh(qk * softcap_input_scale) and the softmax
+    // scale becomes softcap, so that score = softcap * tanh(qk * scale / softcap).
+    float scale_softmax = 1.f;       // natural-log units: score = qk * scale_softmax
+    float scale_softmax_log2 = 1.f;  // scale_softmax * log2(e): the kernel works in base 2
+    float softcap = 0.f;
+    float softcap_input_scale = 0.f;
+
+    // Masking. is_masked: a causal or sliding-window mask applies (window sizes below, -1 = none
+    // on that side; causal is window (-1, 0)).
+    bool is_causal = false;
+    bool is_masked = false;
+    int window_size_left = -1, window_size_right = -1;
+
+    // ALiBi: slope of (batch, head) at alibi_slopes_ptr[batch * batch_stride + head].
+    const float *__restrict__ alibi_slopes_ptr = nullptr;
+    index_t alibi_slopes_batch_stride = 0;
+
+    // Dropout: keep an element when its 16-bit random number is below dropout_keep_threshold.
+    float p_dropout = 0.f;              // probability of keeping
+    uint32_t dropout_keep_threshold = 0;
+    float rp_dropout = 1.f;             // 1 / p_dropout
+    PhiloxState philox;
+    int64_t *__restrict__ rng_state = nullptr;  // (2,): the seed and offset actually used
+
+    bool is_bf16 = false;
+};
+
+// Philox offsets one launch consumes per stream (what the binding reserves from the generator):
+// one per lane and 16-column cell of the key axis (see dropout.h).
+inline constexpr int64_t dropout_offsets_per_launch(int seqlen_k_rounded) {
+    return 32 * int64_t(seqlen_k_rounded / 16);
+}
+
+// Launches the forward kernel chosen by (dtype, head dim, dropout, mask) for these params.
+void run_mha_fwd(AttentionParams &params, cudaStream_t stream);
+
+// Head dims with compiled kernels, ascending; the binding runs a head dim on the smallest
+// compiled one that is at least as large.
+int num_compiled_head_dims();
+int compiled_head_dim(int i);
+bool compiled_dtype(bool is_bf16);
+
+}  // namespace flash

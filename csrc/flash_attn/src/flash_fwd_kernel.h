@@ -1,0 +1,305 @@
+// The attention forward kernel (sm80-class mma.sync path): one CTA computes kBlockM query rows
+// of one (batch, head) against every key block they may see, with an online softmax.
+//
+// Per key block, from the last to the first: S = Q K^T (tensor cores, K from shared memory),
+// softcap, mask and ALiBi, online softmax, dropout, O += P V (P straight from registers).
+// cp.async loads V of this block during S = Q K^T and K of the next block during P V.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "dropout.h"
+#include "flash.h"
+#include "kernel_traits.h"
+#include "mask.h"
+#include "sequence_info.h"
+#include "softmax.h"
+#include "utils.h"
+
+namespace flash {
+
+using namespace cute;
+
+__device__ __forceinline__ float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Element offset of key block n_block's first row (K and V share the layout).
+template <int kBlockN>
+__device__ __forceinline__ int64_t kv_block_offset(const AttentionParams &params, int bidb, int n_block,
+                                                   int64_t batch_stride, int64_t row_stride) {
+    const int row = n_block * kBlockN;
+    if (params.block_table == nullptr) { return int64_t(row) * row_stride; }
+    const int page = params.block_table[bidb * params.block_table_batch_stride + row / params.page_block_size];
+    return int64_t(page) * batch_stride + int64_t(row % params.page_block_size) * row_stride;
+}
+
+// Rows of Q/O this CTA owns that get no key at all (causal/window with seqlen_q > seqlen_k, or
+// an empty key sequence): output 0, lse +inf.
+template <typename Traits, typename TensorGO>
+__device__ void write_empty_rows(const AttentionParams &params, const SequenceInfo &seq, TensorGO &gO,
+                                 int m_block, int bidb, int bidh) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+    const int tidx = threadIdx.x;
+    typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
+    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
+    Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
+    Tensor tOrO = make_tensor<Element>(shape(tOgO));
+    clear(tOrO);
+    Tensor tOcO = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
+    CUTE_UNROLL
+    for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.head_dim; }
+    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, seq.seqlen_q - m_block * kBlockM);
+    for (int r = tidx; r < kBlockM; r += Traits::kNThreads) {
+        const int row = m_block * kBlockM + r;
+        if (row < seq.seqlen_q) {
+            const int64_t idx = seq.q_start >= 0 ? int64_t(bidh) * params.total_q + seq.q_start + row
+                                                 : (int64_t(bidb) * params.heads + bidh) * params.seqlen_q + row;
+            params.softmax_lse_ptr[idx] = INFINITY;
+        }
+    }
+}
+
+template <typename Traits, bool Is_dropout, bool Is_masked>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim, kNWarps = Traits::kNWarps;
+
+    extern __shared__ char smem[];
+    const int m_block = blockIdx.x, bidb = blockIdx.y, bidh = blockIdx.z;
+    const int tidx = threadIdx.x, lane = tidx % 32, warp = tidx / 32;
+
+    if constexpr (Is_dropout) {
+        if (m_block == 0 && bidb == 0 && bidh == 0 && tidx == 0) {
+            uint64_t seed, offset;
+            philox_seed_offset(params.philox, seed, offset);
+            params.rng_state[0] = int64_t(seed);
+            params.rng_state[1] = int64_t(offset);
+        }
+    }
+
+    const SequenceInfo seq(params, bidb);
+    if (m_block * kBlockM >= seq.seqlen_q) { return; }
+    const int diag = seq.seqlen_k - seq.seqlen_q;
+
+    // Key blocks this query block may see.
+    int n_block_min = 0;
+    int n_block_max = ceil_div(seq.seqlen_k, kBlockN);
+    if constexpr (Is_masked) {
+        if (params.window_size_right >= 0) {
+            n_block_max = min(n_block_max,
+                              ceil_div((m_block + 1) * kBlockM + diag + params.window_size_right, kBlockN));
+        }
+        if (params.window_size_left >= 0) {
+            n_block_min = max(0, (m_block * kBlockM + diag - params.window_size_left) / kBlockN);
+        }
+    }
+
+    const int64_t q_offset = seq.q_offset(params.q_batch_stride, params.q_row_stride, bidb);
+    const int64_t o_offset = seq.q_offset(params.o_batch_stride, params.o_row_stride, bidb);
+    Tensor mO = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(params.o_ptr) + o_offset),
+                            make_shape(seq.seqlen_q, params.heads, params.head_dim),
+                            make_stride(params.o_row_stride, params.o_head_stride, _1{}));
+    Tensor gO = local_tile(mO(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+    if (n_block_max <= n_block_min) {
+        write_empty_rows<Traits>(params, seq, gO, m_block, bidb, bidh);
+        return;
+    }
+
+    Tensor mQ = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(params.q_ptr) + q_offset),
+                            make_shape(seq.seqlen_q, params.heads, params.head_dim),
+                            make_stride(params.q_row_stride, params.q_head_stride, _1{}));
+    Tensor gQ = local_tile(mQ(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+    // K/V: a (kBlockN, kHeadDim) window whose base moves to each key block (paged or not).
+    const int bidh_k = bidh / params.heads_per_head_k;
+    const bool paged = params.block_table != nullptr;
+    Element *k_base = reinterpret_cast<Element *>(params.k_ptr) + int64_t(bidh_k) * params.k_head_stride +
+                      (paged ? 0 : seq.k_offset(params.k_batch_stride, params.k_row_stride, bidb));
+    Element *v_base = reinterpret_cast<Element *>(params.v_ptr) + int64_t(bidh_k) * params.v_head_stride +
+                      (paged ? 0 : seq.k_offset(params.v_batch_stride, params.v_row_stride, bidb));
+    Tensor gK = make_tensor(make_gmem_ptr(k_base), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                            make_stride(params.k_row_stride, _1{}));
+    Tensor gV = make_tensor(make_gmem_ptr(v_base), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                            make_stride(params.v_row_stride, _1{}));
+
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element *>(smem)), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+    Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+
+    // Global -> shared copies, with predicates for the head dim and the sequence ends.
+    typename Traits::GmemTiledCopyQKV gmem_tiled_copy;
+    auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+    Tensor tQgQ = gmem_thr_copy.partition_S(gQ);
+    Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+    Tensor tKgK = gmem_thr_copy.partition_S(gK);
+    Tensor tKsK = gmem_thr_copy.partition_D(sK);
+    Tensor tVgV = gmem_thr_copy.partition_S(gV);
+    Tensor tVsV = gmem_thr_copy.partition_D(sV);
+    const auto tKgK_base = tKgK.data();
+    const auto tVgV_base = tVgV.data();
+    Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+    Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));
+    CUTE_UNROLL
+    for (int k = 0; k < size(tQpQ); ++k) { tQpQ(k) = get<1>(tQcQ(0, 0, k)) < params.head_dim; }
+    CUTE_UNROLL
+    for (int k = 0; k < size(tKVpKV); ++k) { tKVpKV(k) = get<1>(tKVcKV(0, 0, k)) < params.head_dim; }
+
+    auto load_k = [&](int n_block) {
+        tKgK.data() = tKgK_base + kv_block_offset<kBlockN>(params, bidb, n_block, params.k_batch_stride,
+                                                             params.k_row_stride);
+        copy_tile(gmem_tiled_copy, tKgK, tKsK, tKVcKV, tKVpKV, seq.seqlen_k - n_block * kBlockN);
+    };
+    auto load_v = [&](int n_block) {
+        tVgV.data() = tVgV_base + kv_block_offset<kBlockN>(params, bidb, n_block, params.v_batch_stride,
+                                                             params.v_row_stride);
+        copy_tile(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tKVpKV, seq.seqlen_k - n_block * kBlockN);
+    };
+
+    // Shared -> register operands of the two GEMMs.
+    typename Traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(tidx);
+    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+    Tensor tSrK = thr_mma.partition_fragment_B(sK);
+    Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+    Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+
+    auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
+    Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
+    auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
+    Tensor tSsK = smem_thr_copy_K.partition_S(sK);
+    auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+    auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
+    Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
+
+    // This thread's first score element: row (warp, lane / 4) of the first m16 atom, column
+    // pair lane % 4 of the first n8 atom; atoms of one thread are kNWarps * 16 rows apart.
+    constexpr int kRowStride = kNWarps * 16;
+    const int row16 = m_block * kBlockM + warp * 16;
+    const int row0 = row16 + lane / 4;
+
+    const AttentionMask mask{seq.seqlen_k, diag, params.window_size_left, params.window_size_right,
+                             params.alibi_slopes_ptr == nullptr ? 0.f
+                                 : params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] /
+                                   params.scale_softmax};
+    const bool has_alibi = params.alibi_slopes_ptr != nullptr;
+    const bool has_softcap = params.softcap > 0.f;
+
+    uint64_t seed = 0, offset = 0;
+    if constexpr (Is_dropout) { philox_seed_offset(params.philox, seed, offset); }
+    const Dropout dropout(params, seed, offset, bidb, bidh);
+    Element *s_dmask = params.p_ptr == nullptr ? nullptr
+        : reinterpret_cast<Element *>(params.p_ptr) +
+              (int64_t(bidb) * params.heads + bidh) * params.seqlen_q_rounded * params.seqlen_k_rounded;
+
+    // Prologue: Q and the last key block.
+    copy_tile(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, tQpQ, seq.seqlen_q - m_block * kBlockM);
+    load_k(n_block_max - 1);
+    cute::cp_async_fence();
+
+    clear(acc_o);
+    Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_as_rowcol(acc_o.layout()));
+    constexpr int kRows = decltype(size<0>(acc_o_rowcol))::value;
+    OnlineSoftmax<kRows> softmax;
+
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        clear(acc_s);
+        cute::cp_async_wait<0>();
+        __syncthreads();  // K[n] landed; every warp is done reading V[n + 1]
+        load_v(n_block);
+        cute::cp_async_fence();
+
+        gemm(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
+             smem_thr_copy_Q, smem_thr_copy_K);
+
+        Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
+        if (has_softcap) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = fast_tanh(acc_s(i) * params.softcap_input_scale); }
+        }
+        const bool needs_mask = mask.tile_needs_mask<Is_masked, kBlockM, kBlockN>(m_block, n_block);
+        const int col0 = n_block * kBlockN + (lane % 4) * 2;
+        if (has_alibi) {
+            mask.apply<Is_masked, true>(scores, row0, col0, kRowStride, needs_mask);
+        } else if (needs_mask) {
+            mask.apply<Is_masked, false>(scores, row0, col0, kRowStride, true);
+        }
+
+        cute::cp_async_wait<0>();
+        __syncthreads();  // V[n] landed; every warp is done reading K[n]
+        if (n_block > n_block_min) {
+            load_k(n_block - 1);
+            cute::cp_async_fence();
+        }
+
+        softmax.update(scores, acc_o_rowcol, params.scale_softmax_log2);
+        if constexpr (Is_dropout) {
+            if (s_dmask != nullptr) {
+                dropout.apply<true>(scores, row16, n_block * kBlockN, kRowStride, lane, s_dmask,
+                                    params.seqlen_k_rounded);
+            } else {
+                dropout.apply<false>(scores, row16, n_block * kBlockN, kRowStride, lane, s_dmask,
+                                     params.seqlen_k_rounded);
+            }
+        }
+
+        Tensor rP = convert_type<Element>(acc_s);
+        Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
+        gemm<true>(acc_o, tOrP, tOrVt, tOrP, tOsVt, tiled_mma, smem_tiled_copy_V, smem_tiled_copy_V,
+                   smem_thr_copy_V, smem_thr_copy_V);
+    }
+
+    // Epilogue: normalise, stage O through shared memory for coalesced 16-byte stores, write lse.
+    float lse[kRows];
+    softmax.finalize(acc_o_rowcol, params.scale_softmax, Is_dropout ? params.rp_dropout : 1.f, lse);
+
+    Tensor rO = convert_type<Element>(acc_o);
+    // Q's shared memory is free: its last reader (S = Q K^T) finished before the loop's last barrier.
+    Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
+    auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+    auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
+    Tensor taccOrO = smem_thr_copy_O.retile_S(rO);
+    Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
+    cute::copy(smem_tiled_copy_O, taccOrO, taccOsO);
+
+    if (lane % 4 == 0) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            // Row r of acc_as_rowcol is (i = r % 2, mi = r / 2).
+            const int abs_row = row0 + (r / 2) * kRowStride + (r % 2) * 8;
+            if (abs_row < seq.seqlen_q) {
+                const int64_t idx = seq.q_start >= 0
+                    ? int64_t(bidh) * params.total_q + seq.q_start + abs_row
+                    : (int64_t(bidb) * params.heads + bidh) * params.seqlen_q + abs_row;
+                params.softmax_lse_ptr[idx] = lse[r];
+            }
+        }
+    }
+
+    __syncthreads();
+    typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
+    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
+    Tensor tOsO = gmem_thr_copy_O.partition_S(sO);
+    Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
+    Tensor tOrO = make_tensor<Element>(shape(tOgO));
+    cute::copy(gmem_tiled_copy_O, tOsO, tOrO);
+    Tensor tOcO = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
+    CUTE_UNROLL
+    for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.head_dim; }
+    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, seq.seqlen_q - m_block * kBlockM);
+}
+
+}  // namespace flash

@@ -1,0 +1,72 @@
+// Tile shapes, shared-memory layouts and copy/MMA atoms of the sm80-class (mma.sync) kernels.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace flash {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_>
+struct ForwardTraits {
+    using Element = Element_;
+    using ElementAccum = float;
+    using index_t = int64_t;
+
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kNThreads = kNWarps * 32;
+    static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0 && kBlockM % (16 * kNWarps) == 0);
+
+    using MmaAtom = MMA_Atom<std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                                SM80_16x8x16_F32F16F16F32_TN,
+                                                SM80_16x8x16_F32BF16BF16F32_TN>>;
+    // Warps split the query rows only, so a warp owns whole rows of S and the row statistics of
+    // the softmax need no cross-warp reduction. The N tile of 16 lets one ldmatrix.x4 feed two
+    // n8 atoms of the B operand.
+    using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>,
+                              Tile<Int<16 * kNWarps>, _16, _16>>;
+
+    // Shared memory rows are cut in chunks of 64 elements (128 bytes) where the head dim allows,
+    // and swizzled so that both 16-byte cp.async writes and ldmatrix reads are conflict-free.
+    static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+    static constexpr int kSwizzle = kBlockKSmem == 32 ? 2 : 3;
+    using SmemLayoutAtom = decltype(composition(
+        Swizzle<kSwizzle, 3, 3>{},
+        Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+    using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    // V read as the B operand of P V: the same bytes seen as (head_dim, kBlockN).
+    using SmemLayoutVt = decltype(composition(
+        SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+    using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
+    using SmemLayoutO = SmemLayoutQ;  // O is staged through the bytes of Q
+
+    using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+    using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+    using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+    static constexpr int kSmemQSize = int(size(SmemLayoutQ{})) * int(sizeof(Element));
+    static constexpr int kSmemKVSize = 2 * int(size(SmemLayoutKV{})) * int(sizeof(Element));
+    static constexpr int kSmemSize = kSmemQSize + kSmemKVSize;
+
+    // Global memory moves 16 bytes per thread and copy; kGmemThreadsPerRow threads cover one
+    // kBlockKSmem-wide chunk of a row.
+    static constexpr int kGmemElemsPerLoad = int(sizeof(cute::uint128_t) / sizeof(Element));
+    static_assert(kHeadDim % kGmemElemsPerLoad == 0);
+    static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
+    static_assert(kNThreads % kGmemThreadsPerRow == 0);
+    using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                  Stride<Int<kGmemThreadsPerRow>, _1>>;
+    using GmemTiledCopyQKV = decltype(make_tiled_copy(
+        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+        Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+    using GmemTiledCopyO = decltype(make_tiled_copy(
+        Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{}, GmemLayoutAtom{},
+        Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+};
+
+}  // namespace flash

@@ -1,0 +1,72 @@
+// Online softmax over key blocks: running row max and row sum, rescaling of the output
+// accumulator, and the final normalisation with the log-sum-exp.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "utils.h"
+
+namespace flash {
+
+using namespace cute;
+
+template <int kRows>
+struct OnlineSoftmax {
+    // Per thread-row state. row_sum is this thread's partial sum; the quad reduces it once, at
+    // the end, instead of every block.
+    float row_max[kRows];
+    float row_sum[kRows];
+
+    __device__ __forceinline__ OnlineSoftmax() {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+    }
+
+    // scores (rows, cols) of one key block -> unnormalised probabilities exp(s - max), in base 2
+    // with the scale folded into one FFMA; acc_o (rows, head_dim) is rescaled to the new max.
+    template <typename TS, typename TO>
+    __device__ __forceinline__ void update(TS &scores, TO &acc_o, float scale_log2) {
+        static_assert(decltype(size<0>(scores))::value == kRows);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            float block_max = row_max[r];
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(scores); ++c) { block_max = fmaxf(block_max, scores(r, c)); }
+            block_max = quad_allreduce(block_max, MaxOp{});
+            // A row with every key masked so far keeps max -inf; use 0 so exp gives 0, not NaN.
+            const float max_scaled = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+            const float rescale = exp2f(row_max[r] * scale_log2 - max_scaled);
+            row_max[r] = block_max;
+            row_sum[r] *= rescale;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= rescale; }
+            float sum = 0.f;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(scores); ++c) {
+                scores(r, c) = exp2f(scores(r, c) * scale_log2 - max_scaled);
+                sum += scores(r, c);
+            }
+            row_sum[r] += sum;
+        }
+    }
+
+    // Normalises acc_o and returns each row's log-sum-exp in natural-log units; rows that saw
+    // no key get output 0 and lse +inf (so the backward gives them no gradient).
+    template <typename TO>
+    __device__ __forceinline__ void finalize(TO &acc_o, float scale_softmax, float out_scale,
+                                             float (&lse)[kRows]) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            const float sum = quad_allreduce(row_sum[r], SumOp{});
+            const bool empty = sum == 0.f || sum != sum;
+            const float inv = empty ? 1.f : out_scale / sum;
+            lse[r] = empty ? INFINITY : row_max[r] * scale_softmax + __logf(sum);
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= inv; }
+        }
+    }
+};
+
+}  // namespace flash

@@ -1,0 +1,103 @@
+// Small device helpers shared by the attention kernels: register-layout views, type conversion,
+// quad reductions, the pipelined shared-memory GEMM and the predicated tile copy.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+namespace flash {
+
+using namespace cute;
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// The four lanes of a quad hold the same rows of an m16n8 accumulator; reduce across them.
+template <typename Op>
+__device__ __forceinline__ float quad_allreduce(float x, Op op) {
+    x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
+    x = op(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return x;
+}
+struct MaxOp { __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+struct SumOp { __device__ __forceinline__ float operator()(float a, float b) const { return a + b; } };
+
+// An m16n8 accumulator fragment ((2 cols, 2 rows), MMA_M, MMA_N) seen as a matrix
+// (rows = (2, MMA_M), cols = (2, MMA_N)) so that row-wise softmax code can index it.
+template <typename Layout>
+__device__ __forceinline__ constexpr auto acc_as_rowcol(Layout acc) {
+    static_assert(decltype(size<0>(acc))::value == 4 && decltype(rank(acc))::value == 3);
+    auto l = logical_divide(acc, Shape<_2>{});  // ((2 cols, 2 rows), MMA_M, MMA_N)
+    return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+}
+
+// The same accumulator seen as the A operand of an m16n8k16 MMA: two n8 atoms side by side
+// hold exactly the eight registers of one k16 A fragment.
+template <typename Layout>
+__device__ __forceinline__ constexpr auto acc_as_A_operand(Layout acc) {
+    static_assert(decltype(size<0>(acc))::value == 4 && decltype(rank(acc))::value == 3);
+    auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N/2))
+    return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+}
+
+// Converts a register tensor element-wise (vectorised: pairs become one cvt instruction).
+template <typename To, typename Engine, typename Layout>
+__device__ __forceinline__ auto convert_type(Tensor<Engine, Layout> const &src) {
+    using From = typename Engine::value_type;
+    constexpr int N = decltype(size(src))::value;
+    Tensor dst = make_tensor<To>(src.layout());
+    auto const &in = *reinterpret_cast<cutlass::Array<From, N> const *>(raw_pointer_cast(src.data()));
+    *reinterpret_cast<cutlass::Array<To, N> *>(raw_pointer_cast(dst.data())) =
+        cutlass::NumericArrayConverter<To, From, N>{}(in);
+    return dst;
+}
+
+// acc += A B with A and B loaded from shared memory one k-slice ahead of the MMA that uses them.
+// A_in_regs: A is already in registers (P of the P V product).
+template <bool A_in_regs = false, typename Acc, typename TA, typename TB, typename TsA, typename TsB,
+          typename TiledMma, typename CopyA, typename CopyB, typename ThrCopyA, typename ThrCopyB>
+__device__ __forceinline__ void gemm(Acc &acc, TA &tCrA, TB &tCrB, TsA const &tCsA, TsB const &tCsB,
+                                     TiledMma tiled_mma, CopyA copy_a, CopyB copy_b,
+                                     ThrCopyA const &thr_copy_a, ThrCopyB const &thr_copy_b) {
+    constexpr int kSlices = decltype(size<2>(tCrA))::value;
+    Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
+    auto load_slice = [&](int i) {
+        if constexpr (!A_in_regs) {
+            Tensor tCrA_view = thr_copy_a.retile_D(tCrA);
+            cute::copy(copy_a, tCsA(_, _, i), tCrA_view(_, _, i));
+        }
+        cute::copy(copy_b, tCsB(_, _, i), tCrB_view(_, _, i));
+    };
+    load_slice(0);
+    CUTE_UNROLL
+    for (int i = 0; i < kSlices; ++i) {
+        if (i < kSlices - 1) { load_slice(i + 1); }
+        cute::gemm(tiled_mma, tCrA(_, _, i), tCrB(_, _, i), acc);
+    }
+}
+
+// Copies a (rows, cols) tile partitioned by a tiled copy: rows at or beyond `rows_valid` and
+// columns whose predicate is false are skipped, and, with Clear_OOB, zeroed in the destination
+// (shared memory) so that padding contributes nothing to the GEMMs.
+template <bool Clear_OOB = true, typename TiledCopy, typename TS, typename TD, typename TC, typename TP>
+__device__ __forceinline__ void copy_tile(TiledCopy tiled_copy, TS const &src, TD &dst,
+                                          TC const &identity, TP const &col_valid, int rows_valid) {
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(src); ++m) {
+        if (get<0>(identity(0, m, 0)) < rows_valid) {
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(src); ++k) {
+                if (col_valid(k)) {
+                    cute::copy(tiled_copy, src(_, m, k), dst(_, m, k));
+                } else if constexpr (Clear_OOB) {
+                    cute::clear(dst(_, m, k));
+                }
+            }
+        } else if constexpr (Clear_OOB) {
+            cute::clear(dst(_, m, _));
+        }
+    }
+}
+
+}  // namespace flash
