@@ -1,0 +1,341 @@
+"""Fused dropout + residual + LayerNorm on the `dropout_layer_norm` CUDA extension.
+
+    x = dropout(x0 * rowscale * layerscale) + residual      (the pre-norm sum, "residual" out)
+    out = LayerNorm(x) * weight + bias                      (statistics in fp32)
+
+Hidden sizes: multiples of 8 up to 8192. Inputs fp16 / bf16 / fp32; the output has the input
+dtype; the residual stream (x) has the residual's dtype, or fp32 with residual_in_fp32 when there
+is no residual; weights in the input dtype or fp32. The dropout mask (uint8, 1 = kept) is saved
+for the backward and returned on request. Importing this module raises MissingExtensionError (an
+ImportError) when the extension is not built, so callers can fall back as with flash-attn.
+"""
+
+import torch
+from torch.nn import init
+
+from flash_attn._native import load_extension
+
+dropout_layer_norm = load_extension("dropout_layer_norm")
+
+
+def _prepare(t):
+    """Contiguous and 16-byte aligned (the kernels move 16-byte vectors), or None."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _rows(t, hidden_size):
+    return None if t is None else t.view(-1, hidden_size)
+
+
+def _flat(t):
+    return None if t is None else t.view(-1)
+
+
+def _dropout_add_layer_norm_forward(x0, residual, gamma, beta, rowscale, colscale, dropout_p,
+                                    epsilon, residual_in_fp32=False, is_rms_norm=False):
+    """Arguments contiguous. Returns (z, x, dmask, mu, rsigma) as 2-D / 1-D tensors; x is x0
+    itself when nothing changed it (no residual, dropout, scaling or dtype change)."""
+    hidden_size = gamma.numel()
+    x0mat = x0.view(-1, hidden_size)
+    zmat, xmat, dmask, mu, rsigma = dropout_layer_norm.dropout_add_ln_fwd(
+        x0mat, _rows(residual, hidden_size), gamma, beta, _flat(rowscale), colscale, None, None,
+        dropout_p, epsilon, 1.0, 0, None, residual_in_fp32, is_rms_norm,
+    )
+    return zmat, (xmat if xmat is not None else x0mat), dmask, mu, rsigma
+
+
+def _dropout_add_layer_norm_backward(dz, dx, x, x0, dmask, mu, rsigma, gamma, rowscale, colscale,
+                                     dropout_p, has_residual, is_rms_norm=False):
+    """dx is the gradient of the pre-norm sum (None for post-norm); x0 is needed only for the
+    gradient of colscale. Returns (dx0, dresidual, dgamma, dbeta[, dcolscale])."""
+    hidden_size = gamma.numel()
+    xmat = x.view(-1, hidden_size)
+    if colscale is not None:
+        assert x0 is not None, "x0 is required to compute the gradient of colscale"
+    dx0, dresidual, dgamma, dbeta, _, _, *rest = dropout_layer_norm.dropout_add_ln_bwd(
+        dz.view(xmat.shape), _rows(dx, hidden_size), xmat, _rows(x0, hidden_size), dmask, mu,
+        rsigma, gamma, _flat(rowscale), colscale, None, None, dropout_p, 1.0, 0, has_residual,
+        is_rms_norm,
+    )
+    return (dx0, dresidual, dgamma, dbeta) + ((rest[0],) if colscale is not None else ())
+
+
+def _dropout_add_layer_norm_subset_forward(x0, residual, gamma, beta, colscale, x0_subset,
+                                           out_subset, dropout_p, epsilon, rowscale_const,
+                                           out_numrows, residual_in_fp32=False, is_rms_norm=False):
+    """Token dropping: row i of the residual stream takes x0 row x0_subset[i] - 1 (0: none) and
+    writes output row out_subset[i] - 1 (0: none); x0 is scaled by rowscale_const."""
+    hidden_size = gamma.numel()
+    x0mat = x0.view(-1, hidden_size)
+    zmat, xmat, dmask, mu, rsigma = dropout_layer_norm.dropout_add_ln_fwd(
+        x0mat, _rows(residual, hidden_size), gamma, beta, None, colscale, _flat(x0_subset),
+        _flat(out_subset), dropout_p, epsilon, rowscale_const, out_numrows, None,
+        residual_in_fp32, is_rms_norm,
+    )
+    return zmat, (xmat if xmat is not None else x0mat), dmask, mu, rsigma
+
+
+def _dropout_add_layer_norm_subset_backward(dz, dx, x, x0, dmask, mu, rsigma, gamma, colscale,
+                                            x0_subset, out_subset, dropout_p, rowscale_const,
+                                            x0_numrows, has_residual, is_rms_norm=False):
+    hidden_size = gamma.numel()
+    xmat = x.view(-1, hidden_size)
+    if colscale is not None:
+        assert x0 is not None, "x0 is required to compute the gradient of colscale"
+    dx0, dresidual, dgamma, dbeta, _, _, *rest = dropout_layer_norm.dropout_add_ln_bwd(
+        dz.view(-1, hidden_size), _rows(dx, hidden_size), xmat, _rows(x0, hidden_size), dmask, mu,
+        rsigma, gamma, None, colscale, _flat(x0_subset), _flat(out_subset), dropout_p,
+        rowscale_const, x0_numrows, has_residual, is_rms_norm,
+    )
+    return (dx0, dresidual, dgamma, dbeta) + ((rest[0],) if colscale is not None else ())
+
+
+def _dropout_add_layer_norm_parallel_residual_forward(x0, x1, residual, gamma0, beta0, gamma1,
+                                                      beta1, dropout_p, epsilon,
+                                                      residual_in_fp32=False, is_rms_norm=False):
+    """x = dropout(x0) + dropout(x1) + residual; z0, z1 = LN(x) with (gamma0, beta0), (gamma1,
+    beta1). Returns (z0, z1, x, dmask0, dmask1, mu, rsigma)."""
+    hidden_size = gamma0.numel()
+    x0mat = x0.view(-1, hidden_size)
+    z0, z1, xmat, dmask0, dmask1, mu, rsigma = (
+        dropout_layer_norm.dropout_add_ln_parallel_residual_fwd(
+            x0mat, _rows(x1, hidden_size), _rows(residual, hidden_size), gamma0, beta0, gamma1,
+            beta1, dropout_p, epsilon, None, residual_in_fp32, is_rms_norm,
+        )
+    )
+    return z0, z1, (xmat if xmat is not None else x0mat), dmask0, dmask1, mu, rsigma
+
+
+def _dropout_add_layer_norm_parallel_residual_backward(dz0, dz1, dx, x, dmask0, dmask1, mu,
+                                                       rsigma, gamma0, gamma1, dropout_p, has_x1,
+                                                       has_residual, is_rms_norm=False):
+    hidden_size = gamma0.numel()
+    xmat = x.view(-1, hidden_size)
+    dx0, dx1, dresidual, dgamma0, dbeta0, dgamma1, dbeta1, *_ = (
+        dropout_layer_norm.dropout_add_ln_parallel_residual_bwd(
+            dz0.view(xmat.shape), _rows(dz1, hidden_size), _rows(dx, hidden_size), xmat, dmask0,
+            dmask1, mu, rsigma, gamma0, gamma1, dropout_p, has_x1, has_residual, is_rms_norm,
+        )
+    )
+    return dx0, dx1, dresidual, dgamma0, dbeta0, dgamma1, dbeta1
+
+
+def _ones_mask(shape, device):
+    return torch.ones(shape, dtype=torch.uint8, device=device)
+
+
+class DropoutAddLayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x0, residual, gamma, beta, rowscale, colscale, dropout_p, epsilon,
+                residual_in_fp32=False, prenorm=False, is_rms_norm=False, return_dmask=False):
+        x0, residual, gamma, beta, rowscale, colscale = map(
+            _prepare, (x0, residual, gamma, beta, rowscale, colscale))
+        zmat, xmat, dmask, mu, rsigma = _dropout_add_layer_norm_forward(
+            x0, residual, gamma, beta, rowscale, colscale, dropout_p, epsilon, residual_in_fp32,
+            is_rms_norm,
+        )
+        # x0 is needed again only for the gradient of colscale.
+        ctx.save_for_backward(xmat.view(x0.shape), x0 if colscale is not None else None, dmask,
+                              gamma, mu, rsigma, rowscale, colscale)
+        ctx.prenorm = prenorm
+        ctx.dropout_p = dropout_p
+        ctx.has_residual = residual is not None
+        ctx.is_rms_norm = is_rms_norm
+        ctx.has_beta = beta is not None
+        outputs = (zmat.view(x0.shape),) + ((xmat.view(x0.shape),) if prenorm else ())
+        if return_dmask:
+            mask = dmask.view(x0.shape) if dropout_p > 0.0 else _ones_mask(x0.shape, x0.device)
+            ctx.mark_non_differentiable(mask)
+            outputs += (mask,)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    @staticmethod
+    def backward(ctx, dz, *args):
+        dz = _prepare(dz)
+        dx = _prepare(args[0]) if ctx.prenorm else None
+        x, x0, dmask, gamma, mu, rsigma, rowscale, colscale = ctx.saved_tensors
+        dx0, dresidual, dgamma, dbeta, *rest = _dropout_add_layer_norm_backward(
+            dz, dx, x, x0, dmask, mu, rsigma, gamma, rowscale, colscale, ctx.dropout_p,
+            ctx.has_residual, ctx.is_rms_norm,
+        )
+        return (
+            dx0.view(x.shape),
+            dresidual.view(x.shape) if dresidual is not None else None,
+            dgamma,
+            dbeta if ctx.has_beta else None,
+            None,
+            rest[0] if colscale is not None else None,
+            None, None, None, None, None, None,
+        )
+
+
+class DropoutAddLayerNormSubsetFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x0, residual, gamma, beta, colscale, x0_subset, out_subset, dropout_p,
+                epsilon, rowscale_const, out_numrows, residual_in_fp32=False, prenorm=False,
+                is_rms_norm=False, return_dmask=False):
+        x0, residual, gamma, beta, colscale = map(_prepare, (x0, residual, gamma, beta, colscale))
+        x0_subset = x0_subset.contiguous() if x0_subset is not None else None
+        out_subset = out_subset.contiguous() if out_subset is not None else None
+        zmat, xmat, dmask, mu, rsigma = _dropout_add_layer_norm_subset_forward(
+            x0, residual, gamma, beta, colscale, x0_subset, out_subset, dropout_p, epsilon,
+            rowscale_const, out_numrows, residual_in_fp32, is_rms_norm,
+        )
+        row_shape = (-1, *x0.shape[1:])
+        ctx.save_for_backward(xmat.view(row_shape), x0 if colscale is not None else None, dmask,
+                              gamma, mu, rsigma, colscale, x0_subset, out_subset)
+        ctx.prenorm = prenorm
+        ctx.dropout_p = dropout_p
+        ctx.rowscale_const = rowscale_const
+        ctx.x0_numrows = x0.shape[:-1].numel()
+        ctx.has_residual = residual is not None
+        ctx.is_rms_norm = is_rms_norm
+        ctx.has_beta = beta is not None
+        outputs = (zmat.view(row_shape),) + ((xmat.view(row_shape),) if prenorm else ())
+        if return_dmask:
+            mask = dmask.view(x0.shape) if dropout_p > 0.0 else _ones_mask(x0.shape, x0.device)
+            ctx.mark_non_differentiable(mask)
+            outputs += (mask,)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    @staticmethod
+    def backward(ctx, dz, *args):
+        dz = _prepare(dz)
+        dx = _prepare(args[0]) if ctx.prenorm else None
+        x, x0, dmask, gamma, mu, rsigma, colscale, x0_subset, out_subset = ctx.saved_tensors
+        dx0, dresidual, dgamma, dbeta, *rest = _dropout_add_layer_norm_subset_backward(
+            dz, dx, x, x0, dmask, mu, rsigma, gamma, colscale, x0_subset, out_subset,
+            ctx.dropout_p, ctx.rowscale_const, ctx.x0_numrows, ctx.has_residual, ctx.is_rms_norm,
+        )
+        return (
+            dx0.view(-1, *x.shape[1:]),
+            dresidual.view(x.shape) if dresidual is not None else None,
+            dgamma,
+            dbeta if ctx.has_beta else None,
+            rest[0] if colscale is not None else None,
+            None, None, None, None, None, None, None, None, None, None,
+        )
+
+
+class DropoutAddLayerNormParallelResidualFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x0, x1, residual, gamma0, beta0, gamma1, beta1, dropout_p, epsilon,
+                residual_in_fp32=False, prenorm=False, is_rms_norm=False, return_dmask=False):
+        x0, x1, residual, gamma0, beta0, gamma1, beta1 = map(
+            _prepare, (x0, x1, residual, gamma0, beta0, gamma1, beta1))
+        z0, z1, xmat, dmask0, dmask1, mu, rsigma = (
+            _dropout_add_layer_norm_parallel_residual_forward(
+                x0, x1, residual, gamma0, beta0, gamma1, beta1, dropout_p, epsilon,
+                residual_in_fp32, is_rms_norm,
+            )
+        )
+        ctx.save_for_backward(xmat.view(x0.shape), dmask0, dmask1, gamma0, gamma1, mu, rsigma)
+        ctx.prenorm = prenorm
+        ctx.dropout_p = dropout_p
+        ctx.has_x1 = x1 is not None
+        ctx.has_residual = residual is not None
+        ctx.is_rms_norm = is_rms_norm
+        ctx.has_beta = beta0 is not None
+        outputs = (z0.view(x0.shape), z1.view(x0.shape) if z1 is not None else None)
+        if prenorm:
+            outputs += (xmat.view(x0.shape),)
+        if return_dmask:
+            keep = dropout_p > 0.0
+            mask0 = dmask0.view(x0.shape) if keep else _ones_mask(x0.shape, x0.device)
+            mask1 = (dmask1.view(x0.shape) if keep and x1 is not None
+                     else _ones_mask(x0.shape, x0.device))
+            ctx.mark_non_differentiable(mask0, mask1)
+            outputs += (mask0, mask1)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, dz0, dz1, *args):
+        dz0 = _prepare(dz0)
+        dz1 = _prepare(dz1)
+        dx = _prepare(args[0]) if ctx.prenorm else None
+        x, dmask0, dmask1, gamma0, gamma1, mu, rsigma = ctx.saved_tensors
+        dx0, dx1, dresidual, dgamma0, dbeta0, dgamma1, dbeta1 = (
+            _dropout_add_layer_norm_parallel_residual_backward(
+                dz0, dz1 if gamma1 is not None else None, dx, x, dmask0, dmask1, mu, rsigma,
+                gamma0, gamma1, ctx.dropout_p, ctx.has_x1, ctx.has_residual, ctx.is_rms_norm,
+            )
+        )
+        return (
+            dx0.view(x.shape),
+            dx1.view(x.shape) if dx1 is not None else None,
+            dresidual.view(x.shape) if dresidual is not None else None,
+            dgamma0,
+            dbeta0 if ctx.has_beta else None,
+            dgamma1,
+            dbeta1 if ctx.has_beta else None,
+            None, None, None, None, None, None,
+        )
+
+
+def layer_norm(x, weight, bias, epsilon):
+    return DropoutAddLayerNormFn.apply(x, None, weight, bias, None, None, 0.0, epsilon, False)
+
+
+def dropout_add_layer_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscale=None,
+                           layerscale=None, prenorm=False, residual_in_fp32=False,
+                           return_dropout_mask=False):
+    """residual_in_fp32 only has an effect if residual is None; otherwise the residual stream has
+    residual.dtype. Returns out, plus the pre-norm sum if prenorm, plus the mask on request."""
+    return DropoutAddLayerNormFn.apply(
+        x0, residual, weight, bias, rowscale, layerscale, dropout_p, epsilon, residual_in_fp32,
+        prenorm, False, return_dropout_mask,
+    )
+
+
+def dropout_add_layer_norm_subset(x0, residual, weight, bias, dropout_p, epsilon, layerscale=None,
+                                  x0_subset=None, out_subset=None, rowscale_const=1.0,
+                                  out_numrows=0, prenorm=False, residual_in_fp32=False,
+                                  return_dropout_mask=False):
+    """Token dropping (drop path on whole sequences, or computing only some output rows): see
+    _dropout_add_layer_norm_subset_forward. residual_in_fp32 as in dropout_add_layer_norm."""
+    return DropoutAddLayerNormSubsetFn.apply(
+        x0, residual, weight, bias, layerscale, x0_subset, out_subset, dropout_p, epsilon,
+        rowscale_const, out_numrows, residual_in_fp32, prenorm, False, return_dropout_mask,
+    )
+
+
+def dropout_add_layer_norm_parallel_residual(x0, x1, residual, weight0, bias0, weight1, bias1,
+                                             dropout_p, epsilon, prenorm=False,
+                                             residual_in_fp32=False, return_dropout_mask=False):
+    """Parallel attention + MLP blocks (GPT-J, GPT-NeoX): returns (out0, out1) (out1 None
+    without weight1), plus the pre-norm sum if prenorm, plus (dmask0, dmask1) on request."""
+    return DropoutAddLayerNormParallelResidualFn.apply(
+        x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p, epsilon, residual_in_fp32,
+        prenorm, False, return_dropout_mask,
+    )
+
+
+class DropoutAddLayerNorm(torch.nn.Module):
+    def __init__(self, hidden_size, prenorm=False, p=0.0, eps=1e-5, residual_in_fp32=False,
+                 device=None, dtype=None):
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.prenorm = prenorm
+        self.p = p
+        self.eps = eps
+        self.residual_in_fp32 = residual_in_fp32
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, **factory_kwargs))
+        self.bias = torch.nn.Parameter(torch.empty(hidden_size, **factory_kwargs))
+        self.reset_parameters()
+
+    @property
+    def epsilon(self):  # the attribute's name in older flash-attn releases
+        return self.eps
+
+    def reset_parameters(self):
+        init.ones_(self.weight)
+        init.zeros_(self.bias)
+
+    def forward(self, x0, residual=None):
+        return dropout_add_layer_norm(
+            x0, residual, self.weight, self.bias, self.p if self.training else 0.0, self.eps,
+            prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32,
+        )
