@@ -1,6 +1,7 @@
 // The torch binding of the attention kernels (module flash_attn_2_cuda): argument checks,
 // allocation, one params struct, dispatch. The only attention file that includes torch.
 #include <cmath>
+#include <mutex>
 #include <optional>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -46,7 +47,7 @@ void check_q(const at::Tensor &q, int64_t rank) {
     const int64_t head_dim = q.size(-1);
     FLASH_CHECK(head_dim <= kMaxHeadDim, "head dim must be at most ", kMaxHeadDim, ", got ", head_dim);
     FLASH_CHECK(head_dim % 8 == 0, "head dim must be a multiple of 8 (flash_attn_func pads it), got ", head_dim);
-    const auto *props = at::cuda::getCurrentDeviceProperties();
+    const auto *props = at::cuda::getDeviceProperties(q.get_device());
     FLASH_CHECK(props->major >= 8, "needs an sm80 (Ampere) or newer GPU, got sm", props->major, props->minor);
     FLASH_CHECK(flash::compiled_dtype(q.scalar_type() == at::kBFloat16), "the ", q.scalar_type(),
                 " kernels are not compiled in this build (rebuild with FLASH_ATTN_DTYPES including it)");
