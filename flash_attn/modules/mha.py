@@ -8,6 +8,7 @@ the same causal / window / alibi / GQA semantics), which is what the CPU tests r
 
 import importlib
 import math
+import os
 import warnings
 from functools import partial
 
@@ -274,7 +275,9 @@ class _TorchRotaryEmbedding(nn.Module):
 def rotary_embedding_cls():
     """The rotary module MHA builds, and its name (for reporting which path is active)."""
     cls = import_optional("flash_attn.layers.rotary", "RotaryEmbedding")
-    return (cls, "flash_attn.layers.rotary") if cls is not None else (_TorchRotaryEmbedding, "torch")
+    if cls is None:
+        return _TorchRotaryEmbedding, "torch"
+    return cls, "flash_attn.layers.rotary (Triton on GPU, PyTorch on CPU)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,9 +474,24 @@ class MHA(nn.Module):
                       if inference_params.lengths_per_sample is not None
                       else inference_params.seqlen_offset)
             max_seqlen = inference_params.max_seqlen
+        rotary = self.rotary_emb
+        if (not q_or_qkv.is_cuda and not isinstance(rotary, _TorchRotaryEmbedding)
+                and os.environ.get("TRITON_INTERPRET") != "1"):
+            rotary = self._cpu_rotary(rotary, q_or_qkv.device)
         if kv is None:
-            return self.rotary_emb(q_or_qkv, seqlen_offset=offset, max_seqlen=max_seqlen), None
-        return self.rotary_emb(q_or_qkv, kv, seqlen_offset=offset, max_seqlen=max_seqlen)
+            return rotary(q_or_qkv, seqlen_offset=offset, max_seqlen=max_seqlen), None
+        return rotary(q_or_qkv, kv, seqlen_offset=offset, max_seqlen=max_seqlen)
+
+    def _cpu_rotary(self, rotary, device):
+        """The Triton rotary kernel needs a GPU (or the interpreter): the PyTorch stand-in with
+        the same settings serves CPU tensors. Kept out of the module tree (no state)."""
+        fallback = self.__dict__.get("_rotary_cpu")
+        if fallback is None or fallback.inv_freq.device != device:
+            fallback = _TorchRotaryEmbedding(rotary.dim, base=rotary.base,
+                                             interleaved=rotary.interleaved,
+                                             scale_base=rotary.scale_base, device=device)
+            self.__dict__["_rotary_cpu"] = fallback
+        return fallback
 
     def _attend(self, q_or_qkv, kv, key_padding_mask=None, cu_seqlens=None, max_seqlen=None):
         if self.use_flash_attn:
