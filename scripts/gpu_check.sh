@@ -33,6 +33,8 @@ if [ -n "$WHEEL_DIR" ] && compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
     || { note "wheel install FAILED (see wheels.log)"; exit 1; }
   export PYTHONPATH=/tmp/flash_attn_wheels${PYTHONPATH:+:$PYTHONPATH}
   note "installed wheels from $WHEEL_DIR: $(cd "$WHEEL_DIR" && ls ./*.whl | xargs -n1 basename | tr '\n' ' ')"
+elif [ -n "$WHEEL_DIR" ]; then
+  note "WARNING: no wheels in $WHEEL_DIR (was it carried to this machine?)"
 fi
 
 nvidia-smi >"$LOG_DIR/nvidia-smi.txt" 2>&1
