@@ -133,9 +133,11 @@ class SelfAttention(nn.Module):
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
 
     def forward(self, qkv, causal=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None):
+        """key_padding_mask (b, s) bool, True = real token; queries share it, so the causal
+        diagonal stays at key i for query i."""
         q, k, v = qkv.unbind(dim=-3)
         return _reference_call(self, q, k, v, causal, key_padding_mask, cu_seqlens, max_seqlen,
-                               cu_seqlens, max_seqlen)
+                               cu_seqlens, max_seqlen, query_padding_mask=key_padding_mask)
 
 
 class CrossAttention(nn.Module):
@@ -149,20 +151,24 @@ class CrossAttention(nn.Module):
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
 
     def forward(self, q, kv, causal=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
-                cu_seqlens_k=None, max_seqlen_k=None):
+                cu_seqlens_k=None, max_seqlen_k=None, query_padding_mask=None):
+        """Without query_padding_mask every query is real, and the causal diagonal of query i
+        sits at key i + len_k - s_q (bottom-right, e.g. new tokens against a kv cache)."""
         k, v = kv.unbind(dim=-3)
         return _reference_call(self, q, k, v, causal, key_padding_mask, cu_seqlens, max_seqlen,
-                               cu_seqlens_k, max_seqlen_k)
+                               cu_seqlens_k, max_seqlen_k, query_padding_mask)
 
 
 def _reference_call(module, q, k, v, causal, key_padding_mask, cu_seqlens_q, max_seqlen_q,
-                    cu_seqlens_k, max_seqlen_k):
+                    cu_seqlens_k, max_seqlen_k, query_padding_mask=None):
     causal = module.causal if causal is None else causal
     kwargs = dict(causal=causal, softmax_scale=module.softmax_scale,
                   dropout_p=module.drop.p if module.training else 0.0,
                   window_size=module.window_size, alibi_slopes=module.alibi_slopes)
     if cu_seqlens_q is None:
-        return attention_reference(q, k, v, key_padding_mask=key_padding_mask, **kwargs)
+        query_lengths = query_padding_mask.sum(-1) if query_padding_mask is not None else None
+        return attention_reference(q, k, v, key_padding_mask=key_padding_mask,
+                                   query_lengths=query_lengths, **kwargs)
     # Varlen: pad each sequence to the batch's longest, attend with masks, re-pack.
     q_pad, q_valid = _pad_varlen(q, cu_seqlens_q, max_seqlen_q)
     k_pad, k_valid = _pad_varlen(k, cu_seqlens_k, max_seqlen_k)
@@ -509,6 +515,8 @@ class MHA(nn.Module):
             fn, args = self.inner_cross_attn, (q_or_qkv, kv)
             if cu_seqlens is not None:
                 varlen.update(cu_seqlens_k=cu_seqlens, max_seqlen_k=max_seqlen)
+            if key_padding_mask is not None and not self.cross_attn:
+                varlen["query_padding_mask"] = key_padding_mask  # self-attention: shared padding
         if self.checkpointing and self.training:
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **varlen)
         return fn(*args, **varlen)
