@@ -1,0 +1,585 @@
+"""Dense layers on fused cuBLASLt GEMMs (fused_dense_lib), with tensor and sequence parallelism.
+
+Paths a call can take:
+- fused: CUDA fp16/bf16 inputs (or fp32 under CUDA autocast) with the extension built. FusedDense
+  runs its forward on F.linear and gets the bias gradient from the weight-gradient GEMM's BGRADB
+  epilogue; FusedMLP also fuses bias + activation into the first GEMM's epilogue and the
+  activation's gradient + bias gradient into the second GEMM's backward (`heuristic` >= 0).
+- plain: anything else (CPU, fp32 without autocast, sizes the epilogues cannot take, extension
+  missing) runs exactly the nn.Linear / F.gelu / F.relu computation of a plain PyTorch MLP. With a
+  process_group it runs the same autograd Functions on PyTorch ops, so tensor parallelism also
+  works on CPU (gloo).
+
+heuristic: -1 = GEMM and activation as separate kernels; 0..4 = that candidate of cuBLASLt's
+heuristic; "auto" = measure once per (shape, dtype, device) the candidates and the unfused path,
+for the forward and the backward separately, and keep the fastest (ties go to unfused).
+"""
+
+import contextlib
+import functools
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.amp import custom_bwd, custom_fwd
+from torch.distributed import ProcessGroup
+
+from flash_attn._native import extension_available, load_extension
+from flash_attn.ops.activations import gelu_bwd, gelu_fwd, relu_bwd, sqrelu_bwd, sqrelu_fwd
+from flash_attn.utils.distributed import (
+    all_gather_raw,
+    all_reduce,
+    all_reduce_raw,
+    get_dim_for_local_rank,
+    reduce_scatter,
+    reduce_scatter_raw,
+)
+
+ACTIVATIONS = ("gelu_approx", "relu", "sqrelu")
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Largest row count / feature size run on the fused GEMMs (flash-attn's bound); beyond it, plain.
+_MAX_FUSED_DIM = 65535 * 32
+# cuBLASLt's leading-dimension rule for the saved activation input: GELU input in elements, ReLU
+# bit-mask in bits.
+_AUX_MULTIPLE = {"gelu_approx": 8, "relu": 128}
+
+
+@functools.lru_cache(maxsize=None)
+def _ext():
+    """The fused_dense_lib module, or None when it is not built."""
+    return load_extension("fused_dense_lib") if extension_available("fused_dense_lib") else None
+
+
+def _on_one_cuda_device(*tensors):
+    tensors = [t for t in tensors if t is not None]
+    return all(t.is_cuda and t.device == tensors[0].device for t in tensors)
+
+
+def _autocast_dtype(x):
+    """The dtype the layers compute in: the autocast dtype of x's device when autocast is on."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _cast(dtype, *tensors):
+    return [t if t is None else t.to(dtype) for t in tensors]
+
+
+def _dense_eligible(x, weight, *more):
+    """The fused kernels can take these inputs (device, dtype, sizes, extension)."""
+    if _ext() is None or not _on_one_cuda_device(x, weight, *more):
+        return False
+    dtype = _autocast_dtype(x)
+    if dtype not in _HALF_DTYPES:
+        return False
+    if not torch.is_autocast_enabled(x.device.type):
+        if any(t is not None and t.dtype != x.dtype for t in (weight, *more)):
+            return False  # mixed dtypes without autocast: let F.linear report it
+    batch_dim = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
+    features = [size for t in (weight, *more) if t is not None for size in t.shape]
+    # As PyTorch does for its own cuBLASLt epilogues: no dimension of 1 (GEMV shapes); and rows of
+    # whole 16-byte vectors, which every cuBLASLt kernel takes.
+    return (batch_dim > 1 and all(size > 1 and size % 8 == 0 for size in features)
+            and max(batch_dim, *features) <= _MAX_FUSED_DIM)
+
+
+def _wgrad(input, grad_output, need_bias):
+    """(grad_weight, grad_bias or None) of a Linear from 2-D input and grad_output."""
+    if (_ext() is not None and _on_one_cuda_device(input, grad_output) and input.dtype in _HALF_DTYPES
+            and input.numel() > 0 and grad_output.numel() > 0):
+        grad_output = grad_output.to(input.dtype).contiguous()
+        return tuple(_ext().linear_bias_wgrad(input.contiguous(), grad_output, need_bias))
+    grad_weight = grad_output.t().mm(input.to(grad_output.dtype))
+    return grad_weight, (grad_output.sum(0) if need_bias else None)
+
+
+class FusedDenseFunc(torch.autograd.Function):
+    @staticmethod
+    @custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, bias, return_residual=False, process_group=None, sequence_parallel=True):
+        """x (..., in_features); with a process_group and sequence_parallel, x is this rank's shard
+        of dim 0 and is all-gathered first."""
+        ctx.compute_weight_gradient = weight.requires_grad
+        ctx.return_residual = return_residual
+        ctx.process_group = process_group
+        ctx.sequence_parallel = sequence_parallel
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(_autocast_dtype(x))
+        x = x.contiguous()
+        handle_x = None
+        if process_group is not None and sequence_parallel:
+            total_x, handle_x = all_gather_raw(x, process_group, async_op=True)
+        else:
+            total_x = x
+        if torch.is_autocast_enabled(x.device.type):  # cast while the gather is in flight
+            weight, bias = _cast(x.dtype, weight, bias)
+        if handle_x is not None:
+            handle_x.wait()
+        output = F.linear(total_x, weight, bias)
+        # Only the local shard is kept; backward gathers it again (memory over communication).
+        ctx.save_for_backward(x if ctx.compute_weight_gradient else None, weight)
+        return output if not return_residual else (output, x)
+
+    @staticmethod
+    @custom_bwd(device_type="cuda")
+    def backward(ctx, grad_output, *args):
+        grad_output = grad_output.contiguous()
+        x, weight = ctx.saved_tensors
+        process_group = ctx.process_group
+        sequence_parallel = process_group is not None and ctx.sequence_parallel
+        handle_x = None
+        if x is not None and sequence_parallel:
+            total_x, handle_x = all_gather_raw(x, process_group, async_op=True)
+        else:
+            total_x = x
+        batch_shape = grad_output.shape[:-1]
+        batch_dim = batch_shape.numel()
+        grad_output = grad_output.reshape(batch_dim, grad_output.shape[-1])
+        grad_input = handle_grad_input = None
+        if ctx.needs_input_grad[0]:
+            if ctx.return_residual and process_group is None:
+                residual_grad = args[0].reshape(batch_dim, weight.shape[1])
+                grad_input = torch.addmm(residual_grad.to(grad_output.dtype), grad_output, weight)
+            else:
+                grad_input = grad_output.mm(weight)
+            grad_input = grad_input.reshape(*batch_shape, weight.shape[1])
+            if process_group is not None:
+                reduce_fn = reduce_scatter_raw if sequence_parallel else all_reduce_raw
+                grad_input, handle_grad_input = reduce_fn(grad_input, process_group, async_op=True)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            if handle_x is not None:
+                handle_x.wait()
+                handle_x = None
+            total_x = total_x.reshape(batch_dim, total_x.shape[-1])
+            grad_weight, grad_bias = _wgrad(total_x, grad_output, ctx.needs_input_grad[2])
+        elif ctx.needs_input_grad[2]:
+            grad_bias = grad_output.sum(0)
+        if handle_x is not None:
+            handle_x.wait()
+        if handle_grad_input is not None:
+            handle_grad_input.wait()
+            if ctx.return_residual:  # the residual's gradient is already local: add it after the reduce
+                grad_input = grad_input + args[0]
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def fused_dense_func(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, return_residual: bool = False,
+                     process_group: Optional[ProcessGroup] = None, sequence_parallel: bool = True):
+    """F.linear(x, weight, bias) with the fused backward where eligible; with return_residual,
+    (output, x). With a process_group: all-gather x first (sequence_parallel) and reduce the input
+    gradient (reduce-scatter, or all-reduce without sequence parallelism)."""
+    if process_group is not None or _dense_eligible(x, weight, bias):
+        return FusedDenseFunc.apply(x, weight, bias, return_residual, process_group, sequence_parallel)
+    out = F.linear(x, weight, bias)
+    return out if not return_residual else (out, x)
+
+
+class FusedDense(nn.Linear):
+    """nn.Linear drop-in; forward(x, process_group=None) as fused_dense_func."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, return_residual: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.return_residual = return_residual
+
+    def forward(self, x, process_group=None):
+        return fused_dense_func(x, self.weight, self.bias, return_residual=self.return_residual,
+                                process_group=process_group)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """This rank's rows of a Linear's weight (output features, split in units of multiple_of; the
+    first ranks get one unit more when it does not divide). Input: this rank's sequence shard
+    (sequence_parallel, gathered here) or the full input; output: this rank's features."""
+
+    def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup, bias: bool = True,
+                 sequence_parallel=True, multiple_of=1, device=None, dtype=None) -> None:
+        if out_features % multiple_of:
+            raise ValueError(f"out_features ({out_features}) must be a multiple of {multiple_of}")
+        world_size = torch.distributed.get_world_size(process_group)
+        rank = torch.distributed.get_rank(process_group)
+        local = get_dim_for_local_rank(out_features, world_size, rank, multiple_of)
+        super().__init__(in_features, local, bias=bias, device=device, dtype=dtype)
+        self.process_group = process_group
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        return fused_dense_func(x, self.weight, self.bias, process_group=self.process_group,
+                                sequence_parallel=self.sequence_parallel)
+
+
+class RowParallelLinear(nn.Linear):
+    """This rank's columns of a Linear's weight (input features); the partial outputs are summed
+    by reduce-scatter (sequence_parallel) or all-reduce. Only rank 0 holds the bias."""
+
+    def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup, bias: bool = True,
+                 sequence_parallel=True, multiple_of=1, device=None, dtype=None) -> None:
+        if in_features % multiple_of:
+            raise ValueError(f"in_features ({in_features}) must be a multiple of {multiple_of}")
+        world_size = torch.distributed.get_world_size(process_group)
+        rank = torch.distributed.get_rank(process_group)
+        local = get_dim_for_local_rank(in_features, world_size, rank, multiple_of)
+        super().__init__(local, out_features, bias=bias and rank == 0, device=device, dtype=dtype)
+        self.process_group = process_group
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        out = fused_dense_func(x, self.weight, self.bias)
+        reduce_fn = reduce_scatter if self.sequence_parallel else all_reduce
+        return reduce_fn(out, self.process_group)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP: Linear -> activation -> Linear
+
+
+def _split_heuristic(heuristic, activation):
+    """(forward, backward) algorithm choice, -1 meaning unfused; an int applies to both."""
+    fwd, bwd = heuristic if isinstance(heuristic, (tuple, list)) else (heuristic, heuristic)
+    fwd, bwd = int(fwd), int(bwd)
+    if activation == "sqrelu" and (fwd, bwd) != (-1, -1):
+        raise ValueError(f"activation='sqrelu' has no cuBLASLt epilogue: heuristic must be -1 (got {heuristic})")
+    if activation == "relu" and fwd < 0:
+        bwd = -1  # the fused ReLU backward reads the bit-mask only the fused forward writes
+    return fwd, bwd
+
+
+def _act_forward(x, weight1, bias1, activation, heuristic, save_act_input):
+    """(output1, act_input) for 2-D x. act_input is what the activation's backward reads: the
+    pre-activation (GELU, squared ReLU), the bit-mask (fused ReLU) or None (unfused ReLU, whose
+    backward reads output1); None too when save_act_input is False."""
+    if heuristic >= 0:
+        out = _ext().linear_act_forward(x, weight1, bias1, activation == "gelu_approx", save_act_input, heuristic)
+        return out[0], (out[1] if save_act_input else None)
+    pre_act = F.linear(x, weight1, bias1)
+    if activation == "relu":
+        return pre_act.relu_(), None  # in place: the pre-activation is not needed again
+    output1 = gelu_fwd(pre_act) if activation == "gelu_approx" else sqrelu_fwd(pre_act)
+    return output1, (pre_act if save_act_input else None)
+
+
+def _act_backward(grad_output, weight2, act_input, output1, activation, heuristic):
+    """(grad of the pre-activation, grad of bias1 or None) for 2-D grad_output."""
+    if heuristic >= 0:
+        grad_pre_act, grad_bias1 = _ext().bias_act_linear_dgrad_bgrad(
+            weight2, grad_output, act_input, activation == "gelu_approx", heuristic)
+        return grad_pre_act, grad_bias1
+    grad_output1 = grad_output.mm(weight2)
+    if activation == "gelu_approx":
+        return gelu_bwd(grad_output1, act_input), None
+    if activation == "sqrelu":
+        return sqrelu_bwd(grad_output1, act_input), None
+    return relu_bwd(grad_output1, output1), None
+
+
+class FusedMLPFunc(torch.autograd.Function):
+    @staticmethod
+    @custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight1, bias1, weight2, bias2, activation="gelu_approx", save_pre_act=True,
+                return_residual=False, checkpoint_lvl=0, heuristic=0, process_group=None, sequence_parallel=True):
+        """checkpoint_lvl: 0 keeps the activation's input and output for backward, 1 recomputes the
+        output, 2 recomputes both (save_pre_act=False implies 2). heuristic: int or a (forward,
+        backward) pair, -1 meaning unfused."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS} (got {activation!r})")
+        if checkpoint_lvl not in (0, 1, 2):
+            raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 (got {checkpoint_lvl})")
+        fwd_h, bwd_h = _split_heuristic(heuristic, activation)
+        if not save_pre_act:
+            checkpoint_lvl = 2
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if autocast:
+            x = x.to(_autocast_dtype(x))
+        x = x.contiguous()
+        sequence_parallel = process_group is not None and sequence_parallel
+        handle_x = None
+        if sequence_parallel:
+            total_x, handle_x = all_gather_raw(x, process_group, async_op=True)
+        else:
+            total_x = x
+        if autocast:  # cast while the gather is in flight
+            weight1, bias1, weight2, bias2 = _cast(x.dtype, weight1, bias1, weight2, bias2)
+        weight1, weight2 = weight1.contiguous(), weight2.contiguous()
+        if handle_x is not None:
+            handle_x.wait()
+        batch_shape, in_features = total_x.shape[:-1], total_x.shape[-1]
+        batch_dim = batch_shape.numel()
+        # ReLU's unfused backward reads output1; only its fused backward needs the bit-mask.
+        need_act_input = activation != "relu" or bwd_h >= 0
+        output1, act_input = _act_forward(total_x.reshape(batch_dim, in_features), weight1, bias1, activation,
+                                          fwd_h, need_act_input and checkpoint_lvl < 2)
+        output2 = F.linear(output1, weight2, bias2)
+        if checkpoint_lvl == 0 or (checkpoint_lvl == 1 and activation == "relu"):
+            ctx.save_for_backward(x, weight1, weight2, act_input, output1)  # ReLU: output1 cannot be recomputed
+        elif checkpoint_lvl == 1:
+            ctx.save_for_backward(x, weight1, weight2, act_input)
+        else:
+            ctx.save_for_backward(x, weight1, weight2, bias1)
+        ctx.activation, ctx.checkpoint_lvl, ctx.heuristic = activation, checkpoint_lvl, (fwd_h, bwd_h)
+        ctx.need_act_input, ctx.return_residual = need_act_input, return_residual
+        ctx.process_group, ctx.sequence_parallel = process_group, sequence_parallel
+        output2 = output2.reshape(*batch_shape, output2.shape[-1])
+        return output2 if not return_residual else (output2, x)
+
+    @staticmethod
+    @custom_bwd(device_type="cuda")
+    def backward(ctx, grad_output, *args):
+        grad_output = grad_output.contiguous()
+        activation, fwd_h, bwd_h = ctx.activation, *ctx.heuristic
+        process_group, sequence_parallel = ctx.process_group, ctx.sequence_parallel
+        x, weight1, weight2, *rest = ctx.saved_tensors
+        handle_x = None
+        if sequence_parallel:
+            total_x, handle_x = all_gather_raw(x, process_group, async_op=True)
+        else:
+            total_x = x
+        in_features = x.shape[-1]
+        batch_shape = grad_output.shape[:-1]
+        batch_dim = batch_shape.numel()
+        if ctx.checkpoint_lvl == 0 or (ctx.checkpoint_lvl == 1 and activation == "relu"):
+            act_input, output1 = rest
+        elif ctx.checkpoint_lvl == 1:
+            (act_input,) = rest
+            output1 = gelu_fwd(act_input) if activation == "gelu_approx" else sqrelu_fwd(act_input)
+        else:
+            (bias1,) = rest
+            if handle_x is not None:
+                handle_x.wait()
+                handle_x = None
+            output1, act_input = _act_forward(total_x.reshape(batch_dim, in_features), weight1, bias1, activation,
+                                              fwd_h, ctx.need_act_input)
+        grad_output = grad_output.reshape(batch_dim, grad_output.shape[-1])
+        grad_weight2 = grad_bias2 = None
+        if ctx.needs_input_grad[3]:
+            grad_weight2, grad_bias2 = _wgrad(output1, grad_output, ctx.needs_input_grad[4])
+        elif ctx.needs_input_grad[4]:
+            grad_bias2 = grad_output.sum(0)
+        grad_pre_act, grad_bias1 = _act_backward(grad_output, weight2, act_input, output1, activation, bwd_h)
+        del output1, act_input
+        grad_input = handle_grad_input = None
+        if ctx.needs_input_grad[0]:
+            if ctx.return_residual and process_group is None:
+                residual_grad = args[0].reshape(batch_dim, in_features).to(grad_pre_act.dtype)
+                grad_input = torch.addmm(residual_grad, grad_pre_act, weight1)
+            else:
+                grad_input = grad_pre_act.mm(weight1)
+            grad_input = grad_input.reshape(*batch_shape, in_features)
+            if process_group is not None:
+                reduce_fn = reduce_scatter_raw if sequence_parallel else all_reduce_raw
+                grad_input, handle_grad_input = reduce_fn(grad_input, process_group, async_op=True)
+        grad_weight1 = None
+        if ctx.needs_input_grad[1]:
+            if handle_x is not None:
+                handle_x.wait()
+                handle_x = None
+            need_bias1 = ctx.needs_input_grad[2] and grad_bias1 is None
+            grad_weight1, grad_bias1_wgrad = _wgrad(total_x.reshape(batch_dim, in_features), grad_pre_act, need_bias1)
+            if need_bias1:
+                grad_bias1 = grad_bias1_wgrad
+        elif ctx.needs_input_grad[2] and grad_bias1 is None:
+            grad_bias1 = grad_pre_act.sum(0)
+        if not ctx.needs_input_grad[2]:
+            grad_bias1 = None
+        if handle_x is not None:
+            handle_x.wait()
+        if handle_grad_input is not None:
+            handle_grad_input.wait()
+            if ctx.return_residual:
+                grad_input = grad_input + args[0]
+        return (grad_input, grad_weight1, grad_bias1, grad_weight2, grad_bias2) + (None,) * 7
+
+
+# ---------------------------------------------------------------------------------------------
+# heuristic="auto": measured once per problem, cached
+
+_AUTO_PLANS = {}  # (batch_dim, in, hidden, out, dtype, device, activation, has_bias1, training) -> (fwd, bwd)
+_TIE_MARGIN = 1.01  # a fused candidate must beat unfused by more than timing noise to be chosen
+
+
+def _measure_ms(fn, warmup=2, reps=5):
+    """Median milliseconds of fn() on the current CUDA stream."""
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[len(times) // 2]
+
+
+def _fastest(times):
+    best = min(times, key=times.get)
+    return -1 if times[-1] <= times[best] * _TIE_MARGIN else best
+
+
+def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activation, has_bias1, training):
+    """Time the forward (GEMM1 + activation) and backward (activation gradient + GEMM1's weight
+    and bias gradients) of every candidate on random data of this shape; return (fwd, bwd)."""
+    ext, is_gelu = _ext(), activation == "gelu_approx"
+    device_ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with device_ctx, torch.no_grad(), torch.autocast(device.type, enabled=False):
+        x = torch.randn(batch_dim, in_features, device=device, dtype=dtype)
+        w1 = torch.randn(hidden, in_features, device=device, dtype=dtype) * in_features ** -0.5
+        b1 = torch.randn(hidden, device=device, dtype=dtype) if has_bias1 else None
+        n_fwd = min(ext.linear_act_forward_num_algos(x, w1, b1, is_gelu, training), ext.max_heuristic_algos)
+        fwd_times = {h: _measure_ms(functools.partial(_act_forward, x, w1, b1, activation, h, training))
+                     for h in range(-1, n_fwd)}
+        fwd = _fastest(fwd_times)
+        if not training:
+            return fwd, -1
+        w2 = torch.randn(out_features, hidden, device=device, dtype=dtype) * hidden ** -0.5
+        grad = torch.randn(batch_dim, out_features, device=device, dtype=dtype)
+        output1, pre_act = _act_forward(x, w1, b1, activation, -1, True)
+        fused_act_input = pre_act if is_gelu else ext.linear_act_forward(x, w1, b1, False, True, 0)[1]
+
+        def backward(h):
+            grad_pre_act, grad_bias1 = _act_backward(grad, w2, fused_act_input if h >= 0 else pre_act, output1,
+                                                     activation, h)
+            _wgrad(x, grad_pre_act, has_bias1 and grad_bias1 is None)
+
+        n_bwd = min(ext.bias_act_linear_dgrad_bgrad_num_algos(w2, grad, fused_act_input, is_gelu),
+                    ext.max_heuristic_algos)
+        bwd_times = {h: _measure_ms(functools.partial(backward, h)) for h in range(-1, n_bwd)}
+        bwd = _fastest(bwd_times)
+    if activation == "relu" and fwd < 0 <= bwd:
+        # The fused ReLU backward needs the fused forward's bit-mask: compare the two pairings.
+        fused_fwd = min((h for h in fwd_times if h >= 0), key=fwd_times.get)
+        if fwd_times[fused_fwd] + bwd_times[bwd] < (fwd_times[-1] + bwd_times[-1]) / _TIE_MARGIN:
+            fwd = fused_fwd
+        else:
+            bwd = -1
+    return fwd, bwd
+
+
+def _auto_heuristic(x, weight1, weight2, bias1, activation, save_pre_act, process_group, sequence_parallel):
+    if activation == "sqrelu":
+        return -1
+    if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return -1  # no timing while tracing or capturing a graph
+    batch_dim = x.numel() // x.shape[-1]
+    if process_group is not None and sequence_parallel:
+        batch_dim *= torch.distributed.get_world_size(process_group)
+    key = (batch_dim, x.shape[-1], weight1.shape[0], weight2.shape[0], _autocast_dtype(x), x.device, activation,
+           bias1 is not None, bool(save_pre_act))
+    if key not in _AUTO_PLANS:
+        _AUTO_PLANS[key] = _tune_mlp(*key)
+    return _AUTO_PLANS[key]
+
+
+def _mlp_eligible(x, weight1, weight2, bias1, bias2, activation):
+    if not _dense_eligible(x, weight1, weight2, bias1, bias2):
+        return False
+    hidden = weight1.shape[0]
+    return activation == "sqrelu" or hidden % _AUX_MULTIPLE[activation] == 0
+
+
+def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[Tensor] = None,
+                   bias2: Optional[Tensor] = None, activation: str = "gelu_approx", save_pre_act: bool = True,
+                   return_residual: bool = False, checkpoint_lvl: int = 0, heuristic=0,
+                   process_group: Optional[ProcessGroup] = None, sequence_parallel: bool = True):
+    """F.linear(act(F.linear(x, weight1, bias1)), weight2, bias2) with act gelu_approx (tanh),
+    relu or sqrelu; with return_residual, (output, x). heuristic: -1, 0..4, "auto" or a (forward,
+    backward) pair. With a process_group, weight1/bias1 hold this rank's hidden features and
+    weight2 its columns: x is all-gathered first (sequence_parallel) and the output is this rank's
+    partial sum, to be reduced by the caller."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS} (got {activation!r})")
+    if checkpoint_lvl not in (0, 1, 2):
+        raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 (got {checkpoint_lvl})")
+    if _mlp_eligible(x, weight1, weight2, bias1, bias2, activation):
+        if heuristic == "auto":
+            heuristic = _auto_heuristic(x, weight1, weight2, bias1, activation, save_pre_act, process_group,
+                                        sequence_parallel)
+    elif process_group is not None:
+        heuristic = -1  # the same Functions on PyTorch ops, for their communication
+    else:
+        pre_act = F.linear(x, weight1, bias1)
+        if activation == "gelu_approx":
+            output1 = F.gelu(pre_act, approximate="tanh")
+        else:
+            output1 = F.relu(pre_act) if activation == "relu" else sqrelu_fwd(pre_act)
+        out = F.linear(output1, weight2, bias2)
+        return out if not return_residual else (out, x)
+    if heuristic == "auto":
+        heuristic = -1
+    return FusedMLPFunc.apply(x, weight1, bias1, weight2, bias2, activation, save_pre_act, return_residual,
+                              checkpoint_lvl, heuristic, process_group, sequence_parallel)
+
+
+class FusedMLP(nn.Module):
+    """fc1 -> activation -> fc2, as fused_mlp_func. hidden_features defaults to 4 * in_features,
+    out_features to in_features. In eval mode the activation's input is not saved (checkpoint_lvl
+    2 if a backward is run anyway)."""
+
+    def __init__(self, in_features, hidden_features=None, out_features=None, bias1=True, bias2=True,
+                 activation="gelu_approx", return_residual=False, checkpoint_lvl=0, heuristic="auto",
+                 device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS} (got {activation!r})")
+        if checkpoint_lvl not in (0, 1, 2):
+            raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 (got {checkpoint_lvl})")
+        factory_kwargs = {"device": device, "dtype": dtype}
+        out_features = out_features or in_features
+        hidden_features = hidden_features or in_features * 4
+        self.activation = activation
+        self.return_residual = return_residual
+        self.checkpoint_lvl = checkpoint_lvl
+        self.heuristic = heuristic if activation != "sqrelu" else -1
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
+
+    def forward(self, x, process_group=None):
+        out = fused_mlp_func(x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
+                             activation=self.activation, save_pre_act=self.training,
+                             return_residual=self.return_residual, checkpoint_lvl=self.checkpoint_lvl,
+                             heuristic=self.heuristic, process_group=process_group)
+        if self.return_residual:
+            out, x = out
+        if process_group is not None:
+            out = reduce_scatter(out, process_group)
+        return out if not self.return_residual else (out, x)
+
+
+class ParallelFusedMLP(nn.Module):
+    """FusedMLP split over process_group: fc1 a ColumnParallelLinear, fc2 a RowParallelLinear.
+    Input: this rank's sequence shard (sequence_parallel) or the full input; output likewise,
+    after a reduce-scatter (sequence_parallel) or an all-reduce of the partial sums."""
+
+    def __init__(self, in_features, hidden_features=None, out_features=None, activation="gelu_approx",
+                 process_group: ProcessGroup = None, bias1=True, bias2=True, sequence_parallel=True,
+                 checkpoint_lvl=0, heuristic="auto", device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS} (got {activation!r})")
+        if checkpoint_lvl not in (0, 1, 2):
+            raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 (got {checkpoint_lvl})")
+        if process_group is None:
+            raise ValueError("ParallelFusedMLP needs a process_group")
+        factory_kwargs = {"device": device, "dtype": dtype}
+        out_features = out_features or in_features
+        hidden_features = hidden_features or in_features * 4
+        self.activation = activation
+        self.process_group = process_group
+        self.sequence_parallel = sequence_parallel
+        self.checkpoint_lvl = checkpoint_lvl
+        self.heuristic = heuristic if activation != "sqrelu" else -1
+        self.fc1 = ColumnParallelLinear(in_features, hidden_features, process_group, bias=bias1,
+                                        sequence_parallel=sequence_parallel, **factory_kwargs)
+        self.fc2 = RowParallelLinear(hidden_features, out_features, process_group, bias=bias2,
+                                     sequence_parallel=sequence_parallel, **factory_kwargs)
+
+    def forward(self, x):
+        out = fused_mlp_func(x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
+                             activation=self.activation, save_pre_act=self.training,
+                             checkpoint_lvl=self.checkpoint_lvl, heuristic=self.heuristic,
+                             process_group=self.process_group, sequence_parallel=self.sequence_parallel)
+        reduce_fn = reduce_scatter if self.sequence_parallel else all_reduce
+        return reduce_fn(out, self.process_group)
