@@ -1,0 +1,693 @@
+"""Dropout + residual + LayerNorm / RMSNorm in Triton (any hidden size up to 64 KB per row).
+
+    x = dropout(x * rowscale) [+ dropout(x1)] [+ residual]         (the pre-norm sum)
+    y = norm(x) * weight + bias,  y1 = norm(x) * weight1 + bias1    (statistics in fp32)
+
+The forward keeps a row in registers (one program per row); the backward walks a band of rows per
+program and keeps the weight / bias gradient sums in registers, then adds the bands up in PyTorch.
+Dropout draws come from `tl.rand` with one seed per row taken from PyTorch's generator, so the
+backward regenerates the mask instead of reading it. Runs on CPU tensors under TRITON_INTERPRET=1.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# References (plain PyTorch)
+# --------------------------------------------------------------------------------------------
+
+def _ref_prologue(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale,
+                  zero_centered_weight, dropout_mask, dropout_mask1, upcast):
+    """The pre-norm sum and the (possibly shifted) weights shared by both references."""
+    if upcast:
+        up = lambda t: t.float() if t is not None else None  # noqa: E731
+        x, weight, bias, residual = up(x), up(weight), up(bias), up(residual)
+        x1, weight1, bias1 = up(x1), up(weight1), up(bias1)
+    if zero_centered_weight:
+        weight = weight + 1.0
+        weight1 = weight1 + 1.0 if weight1 is not None else None
+    if x1 is not None and rowscale is not None:
+        raise ValueError("rowscale is not supported together with x1")
+    if rowscale is not None:
+        x = x * rowscale[..., None]
+
+    def drop(t, mask):
+        if dropout_p == 0.0:
+            return t
+        if mask is None:
+            return F.dropout(t, p=dropout_p)
+        return t.masked_fill(~mask, 0.0) / (1.0 - dropout_p)
+
+    x = drop(x, dropout_mask)
+    if x1 is not None:
+        x = x + drop(x1, dropout_mask1)
+    if residual is not None:
+        x = (x + residual).to(x.dtype)
+    return x, weight, bias, weight1, bias1
+
+
+def _ref_outputs(out, out1, x, prenorm):
+    outs = (out,) + ((out1,) if out1 is not None else ()) + ((x,) if prenorm else ())
+    return outs[0] if len(outs) == 1 else outs
+
+
+def layer_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6,
+                   dropout_p=0.0, rowscale=None, prenorm=False, zero_centered_weight=False,
+                   dropout_mask=None, dropout_mask1=None, upcast=False):
+    """Returns out [, out1] [, pre-norm sum] like layer_norm_fn. dropout_mask: the kept positions
+    (bool); without it F.dropout draws its own."""
+    dtype = x.dtype
+    x, weight, bias, weight1, bias1 = _ref_prologue(
+        x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, zero_centered_weight,
+        dropout_mask, dropout_mask1, upcast)
+    norm = lambda w, b: F.layer_norm(x.to(w.dtype), x.shape[-1:], w, b, eps).to(dtype)  # noqa
+    out1 = norm(weight1, bias1) if weight1 is not None else None
+    return _ref_outputs(norm(weight, bias), out1, x, prenorm)
+
+
+def rms_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6,
+                 dropout_p=0.0, rowscale=None, prenorm=False, zero_centered_weight=False,
+                 dropout_mask=None, dropout_mask1=None, upcast=False):
+    dtype = x.dtype
+    x, weight, bias, weight1, bias1 = _ref_prologue(
+        x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, zero_centered_weight,
+        dropout_mask, dropout_mask1, upcast)
+    rstd = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+
+    def norm(w, b):
+        y = x * rstd * w
+        return (y + b if b is not None else y).to(dtype)
+
+    out1 = norm(weight1, bias1) if weight1 is not None else None
+    return _ref_outputs(norm(weight, bias), out1, x, prenorm)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, SEEDS, DROPOUT_MASK,
+    DROPOUT_MASK1, MEAN, RSTD,
+    stride_x_row, stride_y_row, stride_res_row, stride_res_out_row, stride_x1_row, stride_y1_row,
+    M, N, eps, dropout_p,
+    IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_DROPOUT_MASK: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+    HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: rows * stride may pass 2^31
+    cols = tl.arange(0, BLOCK_N)
+    in_row = cols < N
+    x = tl.load(X + row * stride_x_row + cols, mask=in_row, other=0.0).to(tl.float32)
+    if HAS_ROWSCALE:
+        x *= tl.load(ROWSCALE + row).to(tl.float32)
+    if HAS_DROPOUT:
+        # 7 Philox rounds: enough mixing for dropout, fewer registers than the default 10.
+        keep = tl.rand(tl.load(SEEDS + row).to(tl.uint32), cols, n_rounds=7) > dropout_p
+        x = tl.where(keep, x / (1.0 - dropout_p), 0.0)
+        if STORE_DROPOUT_MASK:
+            tl.store(DROPOUT_MASK + row * N + cols, keep, mask=in_row)
+    if HAS_X1:
+        x1 = tl.load(X1 + row * stride_x1_row + cols, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            keep1 = tl.rand(tl.load(SEEDS + M + row).to(tl.uint32), cols, n_rounds=7) > dropout_p
+            x1 = tl.where(keep1, x1 / (1.0 - dropout_p), 0.0)
+            if STORE_DROPOUT_MASK:
+                tl.store(DROPOUT_MASK1 + row * N + cols, keep1, mask=in_row)
+        x += x1
+    if HAS_RESIDUAL:
+        x += tl.load(RESIDUAL + row * stride_res_row + cols, mask=in_row, other=0.0).to(tl.float32)
+    if STORE_RESIDUAL_OUT:
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, x, mask=in_row)
+    # Two-pass statistics over the row held in registers.
+    if IS_RMS_NORM:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=0) / N
+        tl.store(MEAN + row, mean)
+        xc = tl.where(in_row, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
+    tl.store(RSTD + row, rstd)
+    xhat = xc * rstd
+    w = tl.load(W + cols, mask=in_row).to(tl.float32)
+    if ZERO_CENTERED_WEIGHT:
+        w += 1.0
+    y = xhat * w
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=in_row).to(tl.float32)
+    tl.store(Y + row * stride_y_row + cols, y, mask=in_row)
+    if HAS_W1:
+        w1 = tl.load(W1 + cols, mask=in_row).to(tl.float32)
+        if ZERO_CENTERED_WEIGHT:
+            w1 += 1.0
+        y1 = xhat * w1
+        if HAS_B1:
+            y1 += tl.load(B1 + cols, mask=in_row).to(tl.float32)
+        tl.store(Y1 + row * stride_y1_row + cols, y1, mask=in_row)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    X, W, B, Y, DY, DX, DW, DB, DRESIDUAL, W1, DY1, DX1, DW1, DB1, DRESIDUAL_IN, ROWSCALE, SEEDS,
+    MEAN, RSTD,
+    stride_x_row, stride_y_row, stride_dy_row, stride_dx_row, stride_dres_row, stride_dy1_row,
+    stride_dx1_row, stride_dres_in_row,
+    M, N, dropout_p, rows_per_program,
+    IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
+    HAS_DRESIDUAL: tl.constexpr, STORE_DRESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DY1: tl.constexpr,
+    HAS_DX1: tl.constexpr, HAS_B1: tl.constexpr, RECOMPUTE_OUTPUT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    cols = tl.arange(0, BLOCK_N)
+    in_row = cols < N
+    # Pointers advance one row per iteration (no row * stride products inside the loop).
+    X += row_start * stride_x_row
+    DY += row_start * stride_dy_row
+    DX += row_start * stride_dx_row
+    if HAS_DRESIDUAL:
+        DRESIDUAL += row_start * stride_dres_row
+    if STORE_DRESIDUAL:
+        DRESIDUAL_IN += row_start * stride_dres_in_row
+    if HAS_DY1:
+        DY1 += row_start * stride_dy1_row
+    if HAS_DX1:
+        DX1 += row_start * stride_dx1_row
+    if RECOMPUTE_OUTPUT:
+        Y += row_start * stride_y_row
+    w = tl.load(W + cols, mask=in_row).to(tl.float32)
+    if ZERO_CENTERED_WEIGHT:
+        w += 1.0
+    if RECOMPUTE_OUTPUT and HAS_BIAS:
+        b = tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
+    if HAS_DY1:
+        w1 = tl.load(W1 + cols, mask=in_row).to(tl.float32)
+        if ZERO_CENTERED_WEIGHT:
+            w1 += 1.0
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_DY1:
+        dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_B1:
+            db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row in range(row_start, row_end):
+        x = tl.load(X + cols, mask=in_row, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        if IS_RMS_NORM:
+            xhat = x * rstd
+        else:
+            xhat = (x - tl.load(MEAN + row)) * rstd
+        xhat = tl.where(in_row, xhat, 0.0)
+        if RECOMPUTE_OUTPUT:
+            y = xhat * w
+            if HAS_BIAS:
+                y += b
+            tl.store(Y + cols, y, mask=in_row)
+        dy = tl.load(DY + cols, mask=in_row, other=0.0).to(tl.float32)
+        dw += dy * xhat
+        if HAS_BIAS:
+            db += dy
+        wdy = w * dy
+        if HAS_DY1:
+            dy1 = tl.load(DY1 + cols, mask=in_row, other=0.0).to(tl.float32)
+            dw1 += dy1 * xhat
+            if HAS_B1:
+                db1 += dy1
+            wdy += w1 * dy1
+        c1 = tl.sum(xhat * wdy, axis=0) / N
+        if IS_RMS_NORM:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(wdy, axis=0) / N
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+        # dx is now the gradient of the pre-norm sum.
+        if HAS_DRESIDUAL:
+            dx += tl.load(DRESIDUAL + cols, mask=in_row, other=0.0).to(tl.float32)
+        if STORE_DRESIDUAL:
+            tl.store(DRESIDUAL_IN + cols, dx, mask=in_row)
+        if HAS_DX1:
+            if HAS_DROPOUT:
+                keep1 = tl.rand(tl.load(SEEDS + M + row).to(tl.uint32), cols, n_rounds=7) > dropout_p
+                dx1 = tl.where(keep1, dx / (1.0 - dropout_p), 0.0)
+            else:
+                dx1 = dx
+            tl.store(DX1 + cols, dx1, mask=in_row)
+        if HAS_DROPOUT:
+            keep = tl.rand(tl.load(SEEDS + row).to(tl.uint32), cols, n_rounds=7) > dropout_p
+            dx = tl.where(keep, dx / (1.0 - dropout_p), 0.0)
+        if HAS_ROWSCALE:
+            dx *= tl.load(ROWSCALE + row).to(tl.float32)
+        tl.store(DX + cols, dx, mask=in_row)
+        X += stride_x_row
+        DY += stride_dy_row
+        DX += stride_dx_row
+        if HAS_DRESIDUAL:
+            DRESIDUAL += stride_dres_row
+        if STORE_DRESIDUAL:
+            DRESIDUAL_IN += stride_dres_in_row
+        if HAS_DY1:
+            DY1 += stride_dy1_row
+        if HAS_DX1:
+            DX1 += stride_dx1_row
+        if RECOMPUTE_OUTPUT:
+            Y += stride_y_row
+    tl.store(DW + pid * N + cols, dw, mask=in_row)
+    if HAS_BIAS:
+        tl.store(DB + pid * N + cols, db, mask=in_row)
+    if HAS_DY1:
+        tl.store(DW1 + pid * N + cols, dw1, mask=in_row)
+        if HAS_B1:
+            tl.store(DB1 + pid * N + cols, db1, mask=in_row)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+def _block_n(x, N):
+    # The row lives in registers: at most 64 KB of input per row.
+    max_block = 65536 // x.element_size()
+    if N > max_block:
+        raise ValueError(f"layer_norm_fn: the hidden size ({N}) must be at most {max_block} for "
+                         f"{x.dtype} inputs (64 KB per row)")
+    return triton.next_power_of_2(N)
+
+
+def _num_warps(block_n):
+    return min(max(block_n // 256, 1), 16)
+
+
+def _device_ctx(t):
+    return torch.cuda.device(t.device) if t.is_cuda else _NullCtx()
+
+
+class _NullCtx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return False
+
+
+def _check_fwd_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out,
+                    residual_out):
+    """Every argument check of the forward, with the argument's name in the message."""
+    def fail(msg):
+        raise ValueError(f"layer_norm_fn: {msg}")
+
+    if x.dtype not in _DTYPES:
+        fail(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    M, N = x.shape
+    for name, t, shape in (("weight", weight, (N,)), ("bias", bias, (N,)),
+                           ("weight1", weight1, (N,)), ("bias1", bias1, (N,)),
+                           ("residual", residual, (M, N)), ("x1", x1, (M, N)),
+                           ("rowscale", rowscale, (M,)), ("out", out, (M, N)),
+                           ("residual_out", residual_out, (M, N))):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            fail(f"{name} must have shape {shape} (x has {M} rows of {N}), got {tuple(t.shape)}")
+        if t.device != x.device:
+            fail(f"{name} must be on {x.device} like x, got {t.device}")
+        if t.stride(-1) != 1:
+            fail(f"{name} must have a contiguous last dimension")
+    if weight is None:
+        fail("weight is required")
+    if bias1 is not None and weight1 is None:
+        fail("bias1 needs weight1")
+    if x1 is not None and rowscale is not None:
+        fail("rowscale is not supported together with x1")
+    if not 0.0 <= dropout_p < 1.0:
+        fail(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, bias1=None,
+                    dropout_p=0.0, rowscale=None, out_dtype=None, residual_dtype=None,
+                    zero_centered_weight=False, is_rms_norm=False, return_dropout_mask=False,
+                    out=None, residual_out=None):
+    """2-D inputs. Returns (y, y1, mean, rstd, residual_out, seeds, dropout_mask, dropout_mask1);
+    residual_out is x itself when nothing changes the input (then it is not written)."""
+    _check_fwd_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out,
+                    residual_out)
+    M, N = x.shape
+    if residual is not None:
+        residual_dtype = residual.dtype
+    if out is None:
+        out = torch.empty_like(x, dtype=x.dtype if out_dtype is None else out_dtype)
+    y1 = torch.empty_like(out) if weight1 is not None else None
+    changes_input = (residual is not None or x1 is not None or dropout_p > 0.0
+                     or rowscale is not None
+                     or (residual_dtype is not None and residual_dtype != x.dtype))
+    if residual_out is None and changes_input:
+        residual_out = torch.empty_like(x, dtype=residual_dtype or x.dtype)
+    mean = None if is_rms_norm else torch.empty(M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    seeds = None
+    if dropout_p > 0.0:
+        seeds = torch.randint(2**32, (2 * M if x1 is not None else M,), device=x.device,
+                              dtype=torch.int64)
+    dropout_mask = dropout_mask1 = None
+    if return_dropout_mask and dropout_p > 0.0:
+        dropout_mask = torch.empty(M, N, dtype=torch.bool, device=x.device)
+        if x1 is not None:
+            dropout_mask1 = torch.empty(M, N, dtype=torch.bool, device=x.device)
+    block_n = _block_n(x, N)
+    if M > 0:
+        with _device_ctx(x):
+            _layer_norm_fwd_kernel[(M,)](
+                x, out, weight, bias, residual, x1, weight1, bias1, y1, residual_out, rowscale,
+                seeds, dropout_mask, dropout_mask1, mean, rstd,
+                x.stride(0), out.stride(0),
+                residual.stride(0) if residual is not None else 0,
+                residual_out.stride(0) if residual_out is not None else 0,
+                x1.stride(0) if x1 is not None else 0,
+                y1.stride(0) if y1 is not None else 0,
+                M, N, eps, dropout_p,
+                IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n,
+                ZERO_CENTERED_WEIGHT=zero_centered_weight,
+                HAS_RESIDUAL=residual is not None, STORE_RESIDUAL_OUT=residual_out is not None,
+                HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
+                STORE_DROPOUT_MASK=dropout_mask is not None, HAS_ROWSCALE=rowscale is not None,
+                HAS_X1=x1 is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
+                num_warps=_num_warps(block_n),
+            )
+    return (out, y1, mean, rstd, residual_out if residual_out is not None else x, seeds,
+            dropout_mask, dropout_mask1)
+
+
+def _num_programs(x, M):
+    if x.is_cuda:
+        # Several row bands per SM hide the loop's latency; each band costs one partial-sum row.
+        return max(min(M, torch.cuda.get_device_properties(x.device).multi_processor_count * 8), 1)
+    return max(min(M, 4), 1)
+
+
+def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=None, weight1=None,
+                    bias1=None, seeds=None, dropout_p=0.0, rowscale=None, has_residual=False,
+                    has_x1=False, zero_centered_weight=False, is_rms_norm=False, x_dtype=None,
+                    residual_dtype=None, recompute_output=False):
+    """x: the saved pre-norm sum. Returns (dx, dw, db, dresidual_in, dx1, dw1, db1, y) with
+    dresidual_in / dx1 aliasing dx when they are equal; y only with recompute_output."""
+    M, N = x.shape
+    if dy.shape != (M, N):
+        raise ValueError(f"layer_norm_fn: the output gradient must have shape {(M, N)}, got "
+                         f"{tuple(dy.shape)}")
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    if dresidual is not None and dresidual.stride(-1) != 1:
+        dresidual = dresidual.contiguous()
+    if dy1 is not None and dy1.stride(-1) != 1:
+        dy1 = dy1.contiguous()
+    x_dtype = x_dtype or x.dtype
+    residual_dtype = residual_dtype or x.dtype
+    dx = torch.empty(M, N, dtype=x_dtype, device=x.device)
+    # The residual's gradient is the pre-norm sum's; it needs its own buffer only when dropout,
+    # rowscale or a dtype change make it differ from dx.
+    store_dres = has_residual and (dropout_p > 0.0 or rowscale is not None or has_x1
+                                   or residual_dtype != x_dtype)
+    dresidual_in = (torch.empty(M, N, dtype=residual_dtype, device=x.device)
+                    if store_dres else None)
+    dx1 = torch.empty_like(dx) if has_x1 and dropout_p > 0.0 else None
+    y = (torch.empty(M, N, dtype=dy.dtype, device=x.device) if recompute_output else None)
+    block_n = _block_n(x, N)
+    programs = _num_programs(x, M)
+    rows_per_program = math.ceil(M / programs)
+    dw_part = torch.empty(programs, N, dtype=torch.float32, device=x.device)
+    db_part = torch.empty_like(dw_part) if bias is not None else None
+    dw1_part = torch.empty_like(dw_part) if weight1 is not None else None
+    db1_part = torch.empty_like(dw_part) if bias1 is not None else None
+    if M > 0:
+        with _device_ctx(x):
+            _layer_norm_bwd_kernel[(programs,)](
+                x, weight, bias, y, dy, dx, dw_part, db_part, dresidual, weight1, dy1, dx1,
+                dw1_part, db1_part, dresidual_in, rowscale, seeds, mean, rstd,
+                x.stride(0), y.stride(0) if y is not None else 0, dy.stride(0), dx.stride(0),
+                dresidual.stride(0) if dresidual is not None else 0,
+                dy1.stride(0) if dy1 is not None else 0,
+                dx1.stride(0) if dx1 is not None else 0,
+                dresidual_in.stride(0) if dresidual_in is not None else 0,
+                M, N, dropout_p, rows_per_program,
+                IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n,
+                ZERO_CENTERED_WEIGHT=zero_centered_weight,
+                HAS_DRESIDUAL=dresidual is not None, STORE_DRESIDUAL=dresidual_in is not None,
+                HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
+                HAS_ROWSCALE=rowscale is not None, HAS_DY1=dy1 is not None,
+                HAS_DX1=dx1 is not None, HAS_B1=bias1 is not None,
+                RECOMPUTE_OUTPUT=y is not None,
+                num_warps=_num_warps(block_n),
+            )
+    else:
+        dw_part.zero_()
+        for part in (db_part, dw1_part, db1_part):
+            if part is not None:
+                part.zero_()
+    dw = dw_part.sum(0).to(weight.dtype)
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    dw1 = dw1_part.sum(0).to(weight1.dtype) if weight1 is not None else None
+    db1 = db1_part.sum(0).to(bias1.dtype) if bias1 is not None else None
+    if has_residual and dresidual_in is None:
+        dresidual_in = dx
+    if has_x1 and dx1 is None:
+        dx1 = dx
+    return dx, dw, db, dresidual_in, dx1, dw1, db1, y
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd and the public functions
+# --------------------------------------------------------------------------------------------
+
+def _rows(t):
+    """(..., N) -> (M, N) with a contiguous last dimension, or None."""
+    if t is None:
+        return None
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _out_rows(t, name, x_shape):
+    """A caller's output buffer viewed as rows; it must be written in place, so no copies."""
+    if t is None:
+        return None
+    if t.shape != x_shape:
+        raise ValueError(f"layer_norm_fn: {name} must have the shape of x {tuple(x_shape)}, got "
+                         f"{tuple(t.shape)}")
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError as error:
+        raise ValueError(f"layer_norm_fn: {name} must be viewable as rows (contiguous last "
+                         f"dimension)") from error
+
+
+class LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6,
+                dropout_p=0.0, rowscale=None, prenorm=False, residual_in_fp32=False,
+                zero_centered_weight=False, is_rms_norm=False, return_dropout_mask=False,
+                out_dtype=None, out=None, residual_out=None):
+        x_shape = x.shape
+        for name, t in (("residual", residual), ("x1", x1)):
+            if t is not None and t.shape != x_shape:
+                raise ValueError(f"layer_norm_fn: {name} must have the shape of x "
+                                 f"{tuple(x_shape)}, got {tuple(t.shape)}")
+        if x1 is not None and rowscale is not None:
+            raise ValueError("layer_norm_fn: rowscale is not supported together with x1")
+        x2, residual2, x12 = _rows(x), _rows(residual), _rows(x1)
+        weight = weight.contiguous()
+        bias, weight1, bias1 = (t.contiguous() if t is not None else None
+                                for t in (bias, weight1, bias1))
+        rowscale = rowscale.reshape(-1).contiguous() if rowscale is not None else None
+        residual_dtype = (residual.dtype if residual is not None
+                          else (torch.float32 if residual_in_fp32 else None))
+        y, y1, mean, rstd, res_out, seeds, mask, mask1 = _layer_norm_fwd(
+            x2, weight, bias, eps, residual2, x12, weight1, bias1, dropout_p=dropout_p,
+            rowscale=rowscale, out_dtype=out_dtype, residual_dtype=residual_dtype,
+            zero_centered_weight=zero_centered_weight, is_rms_norm=is_rms_norm,
+            return_dropout_mask=return_dropout_mask, out=_out_rows(out, "out", x_shape),
+            residual_out=_out_rows(residual_out, "residual_out", x_shape),
+        )
+        ctx.save_for_backward(res_out, weight, bias, weight1, bias1, rowscale, seeds, mean, rstd)
+        ctx.x_shape = x_shape
+        ctx.eps = eps
+        ctx.dropout_p = dropout_p
+        ctx.is_rms_norm = is_rms_norm
+        ctx.has_residual = residual is not None
+        ctx.has_x1 = x1 is not None
+        ctx.prenorm = prenorm
+        ctx.x_dtype = x.dtype
+        ctx.residual_dtype = residual.dtype if residual is not None else None
+        ctx.zero_centered_weight = zero_centered_weight
+        outputs = (y.view(x_shape),) + ((y1.view(x_shape),) if y1 is not None else ())
+        if prenorm:
+            outputs += (res_out.view(x_shape),)
+        if return_dropout_mask:
+            masks = tuple(m.view(x_shape) if m is not None else None for m in (mask, mask1))
+            ctx.mark_non_differentiable(*(m for m in masks if m is not None))
+            outputs += masks
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    @staticmethod
+    def backward(ctx, dy, *args):
+        x, weight, bias, weight1, bias1, rowscale, seeds, mean, rstd = ctx.saved_tensors
+        dy = _rows(dy)
+        dy1 = None
+        if weight1 is not None:
+            dy1, args = _rows(args[0]), args[1:]
+        dresidual = _rows(args[0]) if ctx.prenorm else None
+        dx, dw, db, dres_in, dx1, dw1, db1, _ = _layer_norm_bwd(
+            dy, x, weight, bias, ctx.eps, mean, rstd, dresidual, dy1, weight1, bias1, seeds,
+            ctx.dropout_p, rowscale, ctx.has_residual, ctx.has_x1, ctx.zero_centered_weight,
+            ctx.is_rms_norm, x_dtype=ctx.x_dtype, residual_dtype=ctx.residual_dtype,
+        )
+        shape = ctx.x_shape
+        return (
+            dx.view(shape), dw, db,
+            dres_in.view(shape) if ctx.has_residual else None,
+            dx1.view(shape) if ctx.has_x1 else None,
+            dw1, db1,
+        ) + (None,) * 11
+
+
+def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6,
+                  dropout_p=0.0, rowscale=None, prenorm=False, residual_in_fp32=False,
+                  zero_centered_weight=False, is_rms_norm=False, return_dropout_mask=False,
+                  out_dtype=None, out=None, residual_out=None):
+    """Returns y [, y1 (with weight1)] [, the pre-norm sum (prenorm)]
+    [, dropout_mask, dropout_mask1 (return_dropout_mask; bool, True = kept, None if unused)].
+    out / residual_out: buffers to write y / the pre-norm sum into."""
+    return LayerNormFn.apply(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p,
+                             rowscale, prenorm, residual_in_fp32, zero_centered_weight,
+                             is_rms_norm, return_dropout_mask, out_dtype, out, residual_out)
+
+
+def rms_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6,
+                dropout_p=0.0, rowscale=None, prenorm=False, residual_in_fp32=False,
+                zero_centered_weight=False, return_dropout_mask=False, out_dtype=None, out=None,
+                residual_out=None):
+    return LayerNormFn.apply(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p,
+                             rowscale, prenorm, residual_in_fp32, zero_centered_weight, True,
+                             return_dropout_mask, out_dtype, out, residual_out)
+
+
+class _Norm(torch.nn.Module):
+    _is_rms_norm = False
+
+    def __init__(self, hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False,
+                 bias=False, device=None, dtype=None):
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.eps = eps
+        self.drop = torch.nn.Dropout(dropout_p) if dropout_p > 0.0 else None
+        self.zero_centered_weight = zero_centered_weight
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, **factory_kwargs))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(hidden_size, **factory_kwargs))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # With zero_centered_weight the effective weight is 1 + weight.
+        (torch.nn.init.zeros_ if self.zero_centered_weight else torch.nn.init.ones_)(self.weight)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+
+    def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+        return layer_norm_fn(
+            x, self.weight, self.bias, residual=residual, eps=self.eps,
+            dropout_p=self.drop.p if self.drop is not None and self.training else 0.0,
+            prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+            zero_centered_weight=self.zero_centered_weight, is_rms_norm=self._is_rms_norm,
+        )
+
+
+class RMSNorm(_Norm):
+    """RMSNorm(hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False): no bias."""
+    _is_rms_norm = True
+
+    def __init__(self, hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False,
+                 device=None, dtype=None):
+        super().__init__(hidden_size, eps, dropout_p, zero_centered_weight, bias=False,
+                         device=device, dtype=dtype)
+
+
+class LayerNorm(_Norm):
+    """LayerNorm(hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False) with bias."""
+
+    def __init__(self, hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False,
+                 device=None, dtype=None):
+        super().__init__(hidden_size, eps, dropout_p, zero_centered_weight, bias=True,
+                         device=device, dtype=dtype)
+
+
+class LayerNormLinearFn(torch.autograd.Function):
+    """norm(x [+ residual]) followed by a linear layer; the normalised activations are not kept
+    but recomputed in the backward (they would be the largest saved tensor)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None,
+                eps=1e-6, prenorm=False, residual_in_fp32=False, is_rms_norm=False):
+        x_shape = x.shape
+        if residual is not None and residual.shape != x_shape:
+            raise ValueError(f"layer_norm_linear_fn: residual must have the shape of x "
+                             f"{tuple(x_shape)}, got {tuple(residual.shape)}")
+        x2, residual2 = _rows(x), _rows(residual)
+        norm_weight = norm_weight.contiguous()
+        norm_bias = norm_bias.contiguous() if norm_bias is not None else None
+        residual_dtype = (residual.dtype if residual is not None
+                          else (torch.float32 if residual_in_fp32 else None))
+        autocast = x.is_cuda and torch.is_autocast_enabled("cuda")
+        out_dtype = torch.get_autocast_dtype("cuda") if autocast else None
+        y, _, mean, rstd, res_out, *_ = _layer_norm_fwd(
+            x2, norm_weight, norm_bias, eps, residual2, out_dtype=out_dtype,
+            residual_dtype=residual_dtype, is_rms_norm=is_rms_norm,
+        )
+        linear_weight = linear_weight.to(y.dtype)
+        linear_bias = linear_bias.to(y.dtype) if linear_bias is not None else None
+        out = F.linear(y, linear_weight, linear_bias)
+        ctx.save_for_backward(res_out, norm_weight, norm_bias, linear_weight, mean, rstd)
+        ctx.x_shape = x_shape
+        ctx.eps = eps
+        ctx.is_rms_norm = is_rms_norm
+        ctx.has_residual = residual is not None
+        ctx.prenorm = prenorm
+        ctx.x_dtype = x.dtype
+        ctx.residual_dtype = residual.dtype if residual is not None else None
+        ctx.linear_bias_is_none = linear_bias is None
+        out = out.view(*x_shape[:-1], out.shape[-1])
+        return out if not prenorm else (out, res_out.view(x_shape))
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout, *args):
+        x, norm_weight, norm_bias, linear_weight, mean, rstd = ctx.saved_tensors
+        dout = dout.reshape(-1, dout.shape[-1])
+        dy = _rows(F.linear(dout, linear_weight.t()))
+        dlinear_bias = None if ctx.linear_bias_is_none else dout.sum(0)
+        dresidual = _rows(args[0]) if ctx.prenorm else None
+        dx, dnorm_weight, dnorm_bias, dres_in, _, _, _, y = _layer_norm_bwd(
+            dy, x, norm_weight, norm_bias, ctx.eps, mean, rstd, dresidual=dresidual,
+            has_residual=ctx.has_residual, is_rms_norm=ctx.is_rms_norm, x_dtype=ctx.x_dtype,
+            residual_dtype=ctx.residual_dtype, recompute_output=True,
+        )
+        dlinear_weight = torch.einsum("bo,bi->oi", dout, y.to(dout.dtype))
+        shape = ctx.x_shape
+        return (dx.view(shape), dnorm_weight, dnorm_bias, dlinear_weight, dlinear_bias,
+                dres_in.view(shape) if ctx.has_residual else None, None, None, None, None)
+
+
+def layer_norm_linear_fn(x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None,
+                         eps=1e-6, prenorm=False, residual_in_fp32=False, is_rms_norm=False):
+    return LayerNormLinearFn.apply(x, norm_weight, norm_bias, linear_weight, linear_bias,
+                                   residual, eps, prenorm, residual_in_fp32, is_rms_norm)

@@ -1,0 +1,314 @@
+"""Triton dropout + residual + LayerNorm / RMSNorm against the PyTorch references.
+
+Error rule (DESIGN.md): our error against the fp32 reference is at most twice the error of the
+same reference computed in the input dtype, plus a small absolute slack. On CPU the kernels run in
+the Triton interpreter on small shapes; the full option grid runs on the GPU.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_attn.ops.triton.layer_norm import (
+    LayerNorm,
+    RMSNorm,
+    layer_norm_fn,
+    layer_norm_linear_fn,
+    layer_norm_ref,
+    rms_norm_fn,
+    rms_norm_ref,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = 1e-4
+
+
+def _assert_close(name, ours, ref, ref_lowp, atol=ATOL):
+    err = (ours.float() - ref.float()).abs().max().item()
+    base = (ref_lowp.float() - ref.float()).abs().max().item()
+    assert err <= 2 * base + atol, f"{name}: error {err:.3g} > 2 * {base:.3g} + {atol}"
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+def run_case(M, N, dtype, weight_dtype=None, is_rms_norm=False, has_bias=True,
+             residual_dtype=None, residual_in_fp32=False, dropout_p=0.0, has_rowscale=False,
+             prenorm=False, has_x1=False, has_weight1=False, zero_centered_weight=False,
+             out_dtype=None, seed=0):
+    """One forward + backward of layer_norm_fn against the references, every output and grad.
+    residual_dtype None: no residual."""
+    torch.manual_seed(seed)
+    weight_dtype = weight_dtype or dtype
+    dev = DEVICE
+    x = torch.randn(M, N, device=dev, dtype=dtype)
+    weight = torch.randn(N, device=dev, dtype=weight_dtype)
+    bias = torch.randn(N, device=dev, dtype=weight_dtype) if has_bias else None
+    residual = (torch.randn(M, N, device=dev, dtype=residual_dtype)
+                if residual_dtype is not None else None)
+    x1 = torch.randn(M, N, device=dev, dtype=dtype) if has_x1 else None
+    weight1 = torch.randn(N, device=dev, dtype=weight_dtype) if has_weight1 else None
+    bias1 = torch.randn(N, device=dev, dtype=weight_dtype) if has_weight1 and has_bias else None
+    rowscale = torch.rand(M, device=dev, dtype=dtype) + 0.5 if has_rowscale else None
+    inputs = [x, weight, bias, residual, x1, weight1, bias1]
+
+    ours_in = [_leaf(t) if t is not None else None for t in inputs]
+    outs = layer_norm_fn(
+        *ours_in, eps=1e-5, dropout_p=dropout_p, rowscale=rowscale, prenorm=prenorm,
+        residual_in_fp32=residual_in_fp32, zero_centered_weight=zero_centered_weight,
+        is_rms_norm=is_rms_norm, return_dropout_mask=True, out_dtype=out_dtype,
+    )
+    outs = list(outs)
+    mask, mask1 = outs[-2], outs[-1]
+    outs = outs[:-2]
+    if dropout_p > 0.0:
+        assert mask.dtype == torch.bool and mask.shape == x.shape
+        assert (mask1 is not None) == has_x1
+    else:
+        assert mask is None and mask1 is None
+
+    ref_fn = rms_norm_ref if is_rms_norm else layer_norm_ref
+    # refs[True]: everything in fp32 (the outputs stay fp32); refs[False]: the input dtypes.
+    refs = {}
+    for fp32 in (True, False):
+        cast = (lambda t: t.float()) if fp32 else (lambda t: t)  # noqa: E731
+        ref_in = [_leaf(cast(t)) if t is not None else None for t in inputs]
+        r = ref_fn(*ref_in, eps=1e-5, dropout_p=dropout_p,
+                   rowscale=cast(rowscale) if rowscale is not None else None, prenorm=prenorm,
+                   zero_centered_weight=zero_centered_weight, dropout_mask=mask,
+                   dropout_mask1=mask1)
+        refs[fp32] = (ref_in, list(r) if isinstance(r, tuple) else [r])
+
+    assert len(outs) == len(refs[True][1]) == 1 + has_weight1 + prenorm
+    expected_out_dtype = out_dtype or dtype
+    assert outs[0].dtype == expected_out_dtype
+    if prenorm:
+        res_dtype = residual_dtype or (torch.float32 if residual_in_fp32 else dtype)
+        assert outs[-1].dtype == res_dtype
+    for k, o in enumerate(outs):
+        _assert_close(f"output {k}", o, refs[True][1][k], refs[False][1][k])
+
+    grads = [torch.randn_like(o, dtype=torch.float32) for o in outs]
+    torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(grads, outs)])
+    for fp32 in (True, False):
+        ref_outs = refs[fp32][1]
+        torch.autograd.backward(ref_outs, [g.to(o.dtype) for g, o in zip(grads, ref_outs)])
+    names = ["x", "weight", "bias", "residual", "x1", "weight1", "bias1"]
+    for name, t, r32, rlow in zip(names, ours_in, refs[True][0], refs[False][0]):
+        if t is None:
+            continue
+        assert t.grad is not None, f"no gradient for {name}"
+        assert t.grad.dtype == t.dtype, f"{name}.grad dtype {t.grad.dtype} != {t.dtype}"
+        _assert_close(f"grad {name}", t.grad, r32.grad, rlow.grad)
+    return mask, mask1
+
+
+# A covering set of option combinations, small enough for the interpreter on CPU.
+CPU_CASES = [
+    dict(),
+    dict(is_rms_norm=True, has_bias=False),
+    dict(residual_dtype=torch.float32, prenorm=True),
+    dict(residual_in_fp32=True, prenorm=True, dropout_p=0.25),
+    dict(dropout_p=0.37, has_rowscale=True, residual_dtype="same", prenorm=True),
+    dict(has_x1=True, has_weight1=True, residual_dtype="same", dropout_p=0.2, prenorm=True),
+    dict(has_x1=True, is_rms_norm=True, zero_centered_weight=True),
+    dict(has_weight1=True, zero_centered_weight=True, has_bias=False),
+    dict(weight_dtype=torch.float32, residual_dtype=torch.float32, out_dtype=torch.float32),
+    dict(is_rms_norm=True, dropout_p=0.1, has_rowscale=True, prenorm=True),
+]
+
+
+def _resolve(case, dtype):
+    case = dict(case)
+    if case.get("residual_dtype") == "same":
+        case["residual_dtype"] = dtype
+    return case
+
+
+# bf16 runs on the GPU only: the Triton interpreter (3.9) truncates fp32 -> bf16 on store instead
+# of rounding to nearest, so its bf16 outputs are up to one ulp off the correctly rounded ones.
+LOW_PRECISION = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("N", [96, 257])
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW_PRECISION)
+@pytest.mark.parametrize("case", range(len(CPU_CASES)))
+def test_layer_norm_options(case, dtype, N):
+    run_case(19, N, dtype, **_resolve(CPU_CASES[case], dtype))
+
+
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float16, torch.float16),
+               (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+
+
+# Each new (dtype, flags, block size) combination is a Triton compile: the default GPU grid keeps
+# two hidden sizes, the slow one adds the rest.
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1000, 4096] + [pytest.param(n, marks=pytest.mark.slow)
+                                             for n in (192, 2048, 5120, 8192)])
+@pytest.mark.parametrize("dtype,weight_dtype", DTYPE_PAIRS)
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("residual", [None, "same", torch.float32])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.37])
+def test_layer_norm_grid_gpu(N, dtype, weight_dtype, is_rms_norm, residual, dropout_p):
+    run_case(517, N, dtype, weight_dtype, is_rms_norm=is_rms_norm,
+             residual_dtype=dtype if residual == "same" else residual, dropout_p=dropout_p,
+             prenorm=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", list(itertools.product([False, True], repeat=5)))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_layer_norm_feature_grid_gpu(flags, dtype):
+    has_rowscale, has_x1, has_weight1, zero_centered, residual_in_fp32 = flags
+    if has_rowscale and has_x1:
+        pytest.skip("rowscale is not supported together with x1")
+    run_case(333, 1536, dtype, has_rowscale=has_rowscale, has_x1=has_x1,
+             has_weight1=has_weight1, zero_centered_weight=zero_centered,
+             residual_in_fp32=residual_in_fp32, dropout_p=0.2, prenorm=True)
+
+
+def test_rms_norm_fn_matches_layer_norm_fn_flag():
+    torch.manual_seed(0)
+    x = torch.randn(7, 40, device=DEVICE)
+    w = torch.randn(40, device=DEVICE)
+    y = rms_norm_fn(x, w, None, eps=1e-5)
+    assert torch.equal(y, layer_norm_fn(x, w, None, eps=1e-5, is_rms_norm=True))
+    _assert_close("rms", y, rms_norm_ref(x, w, None, eps=1e-5), rms_norm_ref(x, w, None, eps=1e-5))
+
+
+def test_dropout_mask_matches_zeros_and_reproduces():
+    torch.manual_seed(0)
+    M, N, p = 64, 256, 0.3
+    x = torch.randn(M, N, device=DEVICE) + 5.0  # no exact zeros
+    w = torch.ones(N, device=DEVICE)
+
+    def run():
+        return layer_norm_fn(x, w, None, dropout_p=p, prenorm=True, return_dropout_mask=True)
+
+    torch.manual_seed(123)
+    y, pre, mask, mask1 = run()
+    assert mask1 is None
+    # The pre-norm sum is x * mask / (1 - p): zero exactly where the mask drops.
+    assert torch.equal(pre == 0, ~mask)
+    torch.testing.assert_close(pre[mask], x[mask] / (1 - p))
+    kept = mask.float().mean().item()
+    assert abs(kept - (1 - p)) < 0.02, kept
+    torch.manual_seed(123)
+    _, pre2, mask2, _ = run()
+    assert torch.equal(mask, mask2) and torch.equal(pre, pre2)
+    torch.manual_seed(124)
+    _, _, mask3, _ = run()
+    assert not torch.equal(mask, mask3)
+
+
+def test_backward_regenerates_the_forward_mask():
+    torch.manual_seed(0)
+    M, N, p = 24, 128, 0.5
+    x = torch.randn(M, N, device=DEVICE, requires_grad=True)
+    x1 = torch.randn(M, N, device=DEVICE, requires_grad=True)
+    w = torch.randn(N, device=DEVICE)
+    y, mask, mask1 = layer_norm_fn(x, w, None, x1=x1, dropout_p=p, return_dropout_mask=True)
+    y.backward(torch.randn_like(y))
+    assert torch.equal(x.grad == 0, ~mask)
+    assert torch.equal(x1.grad == 0, ~mask1)
+    assert not torch.equal(mask, mask1)  # independent draws for x and x1
+
+
+def test_out_and_residual_out_buffers_are_written():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 48, device=DEVICE)
+    res = torch.randn(3, 5, 48, device=DEVICE)
+    w, b = torch.randn(48, device=DEVICE), torch.randn(48, device=DEVICE)
+    out = torch.full_like(x, float("nan"))
+    res_out = torch.full_like(x, float("nan"))
+    y, pre = layer_norm_fn(x, w, b, residual=res, prenorm=True, out=out, residual_out=res_out)
+    assert y.data_ptr() == out.data_ptr() and pre.data_ptr() == res_out.data_ptr()
+    y_ref, pre_ref = layer_norm_ref(x, w, b, residual=res, prenorm=True)
+    torch.testing.assert_close(out, y_ref)
+    torch.testing.assert_close(res_out, pre_ref)
+
+
+def test_bad_inputs_name_the_argument():
+    x = torch.randn(4, 32, device=DEVICE)
+    w = torch.randn(32, device=DEVICE)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        layer_norm_fn(x, torch.randn(31, device=DEVICE), None)
+    with pytest.raises(ValueError, match="residual must have the shape of x"):
+        layer_norm_fn(x, w, None, residual=torch.randn(4, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        layer_norm_fn(x, w, None, dropout_p=1.0)
+    with pytest.raises(ValueError, match="rowscale is not supported together with x1"):
+        layer_norm_fn(x, w, None, x1=x, rowscale=torch.ones(4, device=DEVICE))
+    with pytest.raises(ValueError, match="x must be float16, bfloat16 or float32"):
+        layer_norm_fn(x.double(), w.double(), None)
+    with pytest.raises(ValueError, match="hidden size"):
+        big = torch.randn(1, 16385, device=DEVICE)
+        layer_norm_fn(big, torch.ones(16385, device=DEVICE), None)
+    with pytest.raises(ValueError, match="out must have the shape of x"):
+        layer_norm_fn(x, w, None, out=torch.empty(4, 16, device=DEVICE))
+
+
+@pytest.mark.parametrize("module_cls", [RMSNorm, LayerNorm])
+@pytest.mark.parametrize("zero_centered_weight", [False, True])
+def test_modules(module_cls, zero_centered_weight):
+    torch.manual_seed(0)
+    norm = module_cls(64, eps=1e-5, zero_centered_weight=zero_centered_weight, device=DEVICE)
+    # Freshly initialised, the effective weight is 1 either way.
+    expected_init = 0.0 if zero_centered_weight else 1.0
+    assert torch.all(norm.weight == expected_init)
+    assert (norm.bias is None) == (module_cls is RMSNorm)
+    with torch.no_grad():
+        norm.weight.normal_()
+        if norm.bias is not None:
+            norm.bias.normal_()
+    x = torch.randn(2, 9, 64, device=DEVICE)
+    res = torch.randn(2, 9, 64, device=DEVICE)
+    y, pre = norm(x, residual=res, prenorm=True)
+    ref_fn = rms_norm_ref if module_cls is RMSNorm else layer_norm_ref
+    y_ref, pre_ref = ref_fn(x, norm.weight, norm.bias, residual=res, eps=1e-5, prenorm=True,
+                            zero_centered_weight=zero_centered_weight)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pre, pre_ref)
+
+
+def test_module_dropout_only_in_training():
+    torch.manual_seed(0)
+    norm = RMSNorm(32, dropout_p=0.5, device=DEVICE).eval()
+    x = torch.randn(4, 32, device=DEVICE)
+    torch.testing.assert_close(norm(x), rms_norm_ref(x, norm.weight, None, eps=1e-5))
+    norm.train()
+    assert not torch.allclose(norm(x), rms_norm_ref(x, norm.weight, None, eps=1e-5))
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_layer_norm_linear_fn(is_rms_norm, prenorm):
+    torch.manual_seed(0)
+    M, N, O = 13, 48, 24
+    x = torch.randn(M, N, device=DEVICE)
+    res = torch.randn(M, N, device=DEVICE)
+    nw, nb = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
+    lw, lb = torch.randn(O, N, device=DEVICE) / N**0.5, torch.randn(O, device=DEVICE)
+    leaves = [_leaf(t) for t in (x, res, nw, nb, lw, lb)]
+    refs = [_leaf(t) for t in (x, res, nw, nb, lw, lb)]
+    out = layer_norm_linear_fn(leaves[0], leaves[2], leaves[3], leaves[4], leaves[5],
+                               residual=leaves[1], eps=1e-5, prenorm=prenorm,
+                               is_rms_norm=is_rms_norm)
+    ref_fn = rms_norm_ref if is_rms_norm else layer_norm_ref
+    y_ref, pre_ref = ref_fn(refs[0], refs[2], refs[3], residual=refs[1], eps=1e-5, prenorm=True)
+    out_ref = F.linear(y_ref, refs[4], refs[5])
+    outs = out if prenorm else (out,)
+    outs_ref = (out_ref, pre_ref) if prenorm else (out_ref,)
+    for o, r in zip(outs, outs_ref):
+        torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4)
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(outs_ref, grads)
+    for name, a, b in zip(["x", "residual", "norm_weight", "norm_bias", "linear_weight",
+                           "linear_bias"], leaves, refs):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4, msg=name)
