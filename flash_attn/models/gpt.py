@@ -505,7 +505,7 @@ def combine_state_dicts_tp(state_dicts, config):
 
     out = OrderedDict()
     for key, value in state_dicts[0].items():
-        shards = [sd[key] for sd in state_dicts]
+        shards = [sd[key] for sd in state_dicts if key in sd]  # row-parallel biases: rank 0
         if key in ("transformer.embeddings.word_embeddings.weight", "lm_head.weight", "lm_head.bias"):
             value = torch.cat(shards, dim=0)
         elif key == "transformer.embeddings.position_embeddings.weight":
