@@ -104,7 +104,8 @@ def _packed_views(qkv, num_heads_q):
     strides allow it (one kernel launch instead of two), else None."""
     if qkv.dim() == 5:
         if qkv.shape[2] != 3:
-            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+            raise ValueError("qkv must be (batch, seqlen, 3, nheads, headdim), got "
+                             f"{tuple(qkv.shape)}")
         b, s, _, h, d = qkv.shape
         q, k, v = qkv.unbind(dim=2)
         qk = None
@@ -184,7 +185,8 @@ class ApplyRotaryEmbKV_(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, cos, sin, interleaved=False, seqlen_offsets=0):
         if kv.dim() != 5 or kv.shape[2] != 2:
-            raise ValueError(f"kv must be (batch, seqlen, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+            raise ValueError("kv must be (batch, seqlen, 2, nheads_k, headdim), got "
+                             f"{tuple(kv.shape)}")
         apply_rotary(kv[:, :, 0], cos, sin, seqlen_offsets=seqlen_offsets,
                      interleaved=interleaved, inplace=True)
         _save_offsets(ctx, seqlen_offsets, cos, sin)
@@ -232,7 +234,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.scale_base = scale_base
         scale = None
         if scale_base is not None:
-            scale = (torch.arange(0, dim, 2, device=device, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)
+            scale = ((torch.arange(0, dim, 2, device=device, dtype=torch.float32) + 0.4 * dim)
+                     / (1.4 * dim))
         self.register_buffer("scale", scale, persistent=False)
         self._seq_len_cached = 0
         self._cos_cached = None

@@ -21,7 +21,8 @@ class CrossEntropyLoss(nn.Module):
                  return_z_loss=False):
         super().__init__()
         if reduction not in ("mean", "none", "sum"):
-            raise NotImplementedError(f"reduction must be 'mean', 'none' or 'sum', got {reduction!r}")
+            raise NotImplementedError(
+                f"reduction must be 'mean', 'none' or 'sum', got {reduction!r}")
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing

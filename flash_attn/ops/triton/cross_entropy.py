@@ -144,8 +144,8 @@ def _check_cross_entropy_args(logits, labels, label_smoothing, logit_scale, lse_
         _fail("logits", "a 2-D (batch, vocab_size) float16, bfloat16 or float32 tensor",
               f"{getattr(logits, 'dtype', type(logits).__name__)} of shape "
               f"{tuple(getattr(logits, 'shape', ()))}")
-    if not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:1] or labels.dtype not in (
-            torch.int32, torch.int64):
+    if (not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:1]
+            or labels.dtype not in (torch.int32, torch.int64)):
         _fail("labels", f"an int64 or int32 tensor of shape ({logits.shape[0]},)",
               f"{getattr(labels, 'dtype', type(labels).__name__)} of shape "
               f"{tuple(getattr(labels, 'shape', ()))}")

@@ -107,7 +107,8 @@ def _check_rotary_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
         batch, seqlen, nheads, headdim = x.shape
     else:
         if x.dim() != 3:
-            _fail("x", "3-D (total_seqlen, nheads, headdim) with cu_seqlens", f"shape {tuple(x.shape)}")
+            _fail("x", "3-D (total_seqlen, nheads, headdim) with cu_seqlens",
+                  f"shape {tuple(x.shape)}")
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             _fail("cu_seqlens", "a 1-D int32 tensor (batch + 1,)",
                   f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
@@ -120,7 +121,8 @@ def _check_rotary_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in _FLOAT_DTYPES:
             _fail(name, "a 2-D float tensor (seqlen_ro, rotary_dim / 2)",
-                  f"{getattr(t, 'dtype', type(t).__name__)} of shape {tuple(getattr(t, 'shape', ()))}")
+                  f"{getattr(t, 'dtype', type(t).__name__)} of shape "
+                  f"{tuple(getattr(t, 'shape', ()))}")
         if t.device != x.device:
             _fail(name, f"on {x.device} like x", t.device)
     if sin.shape != cos.shape or sin.dtype != cos.dtype:
@@ -133,15 +135,18 @@ def _check_rotary_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
     if seqlen_ro < seqlen:
         _fail("cos", f"at least seqlen ({seqlen}) rows", seqlen_ro)
     if isinstance(seqlen_offsets, torch.Tensor):
-        if seqlen_offsets.shape != (batch,) or seqlen_offsets.dtype not in (torch.int32, torch.int64):
+        if (seqlen_offsets.shape != (batch,)
+                or seqlen_offsets.dtype not in (torch.int32, torch.int64)):
             _fail("seqlen_offsets", f"an int or an int32/int64 tensor of shape ({batch},)",
                   f"{seqlen_offsets.dtype} of shape {tuple(seqlen_offsets.shape)}")
         if seqlen_offsets.device != x.device:
             _fail("seqlen_offsets", f"on {x.device} like x", seqlen_offsets.device)
     elif not isinstance(seqlen_offsets, int):
-        _fail("seqlen_offsets", "an int or an int tensor of shape (batch,)", type(seqlen_offsets).__name__)
+        _fail("seqlen_offsets", "an int or an int tensor of shape (batch,)",
+              type(seqlen_offsets).__name__)
     elif seqlen_offsets + seqlen > seqlen_ro:
-        _fail("seqlen_offsets", f"at most seqlen_ro - seqlen ({seqlen_ro} - {seqlen})", seqlen_offsets)
+        _fail("seqlen_offsets", f"at most seqlen_ro - seqlen ({seqlen_ro} - {seqlen})",
+              seqlen_offsets)
     return batch, seqlen, nheads, headdim, rotary_dim
 
 
