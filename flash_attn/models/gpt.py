@@ -322,7 +322,8 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids, position_ids=None, inference_params=None, num_last_tokens=0):
         """input_ids (b, s) -> CausalLMOutput(logits (b, s, padded vocab)); num_last_tokens > 0
-        keeps only the last positions (generation)."""
+        keeps only the last positions (generation). With a process_group the logits are this
+        rank's vocabulary slice, except in generation (inference_params given)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen), got {tuple(input_ids.shape)}")
         batch, seqlen = input_ids.shape
@@ -336,13 +337,16 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
             hidden_states = self.project_out(hidden_states)
         logits = self.lm_head(hidden_states)
         if self.process_group is not None:
-            from flash_attn.utils.distributed import all_gather
-
             if logits.dim() == 2:  # sequence parallel: (b * s, vocab / world) rows
                 logits = rearrange(logits, "(b s) v -> b s v", b=batch)
-            # Each rank holds a vocabulary slice: gather them (dim 0) and lay them side by side.
-            logits = rearrange(all_gather(logits, self.process_group), "(n b) s v -> b s (n v)",
-                               b=batch)
+            if inference_params is not None:
+                # Sampling needs the whole vocabulary: gather the ranks' slices (dim 0) and lay
+                # them side by side. Training keeps this rank's slice, for a vocab-parallel loss
+                # (losses.cross_entropy.CrossEntropyLoss with process_group).
+                from flash_attn.utils.distributed import all_gather_raw
+
+                logits, _ = all_gather_raw(logits, self.process_group)
+                logits = rearrange(logits, "(n b) s v -> b s (n v)", b=batch)
         return CausalLMOutput(logits=logits)
 
 

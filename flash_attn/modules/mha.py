@@ -459,8 +459,7 @@ class MHA(nn.Module):
                 qkv = _causal_dwconv(self.dwconv_qkv, qkv)
             if self.num_heads_kv == self.num_heads:
                 return qkv.unflatten(-1, (3, self.num_heads, self.head_dim)), None, residual
-            q, kv = qkv.split([self.num_heads * self.head_dim,
-                               2 * self.num_heads_kv * self.head_dim], dim=-1)
+            q, kv = _split_q_kv(qkv, self.num_heads * self.head_dim)
         else:
             q = self.Wq(x if mixer_subset is None else x[:, mixer_subset])
             if self.return_residual:
@@ -549,6 +548,12 @@ class MHA(nn.Module):
         return out if not self.return_residual else (out, residual)
 
 
+def _split_q_kv(qkv, q_dim):
+    """Two slices, not split(): the rotary kernel rotates q and k in place, which autograd
+    refuses on the outputs of a multi-view op like split."""
+    return qkv[..., :q_dim], qkv[..., q_dim:]
+
+
 def _causal_dwconv(conv, x):
     """Depthwise conv over the sequence of x (b, s, d), seeing only the current and past rows."""
     return rearrange(conv(rearrange(x, "b s d -> b d s"))[..., :-2], "b d s -> b s d").contiguous()
@@ -625,8 +630,7 @@ class ParallelMHA(MHA):
         if self.num_heads_kv == self.num_heads:
             q_or_qkv, kv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)), None
         else:
-            q, kv = qkv.split([self.num_heads * self.head_dim,
-                               2 * self.num_heads_kv * self.head_dim], dim=-1)
+            q, kv = _split_q_kv(qkv, self.num_heads * self.head_dim)
             q_or_qkv = q.unflatten(-1, (self.num_heads, self.head_dim))
             kv = kv.unflatten(-1, (2, self.num_heads_kv, self.head_dim))
         if self.rotary_emb_dim > 0:

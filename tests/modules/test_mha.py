@@ -108,30 +108,37 @@ def _rotate_explicit(x, positions, rotary_dim, interleaved, base=10000.0):
     half = rotary_dim // 2
     freqs = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
     angle = positions.double().view(1, -1, 1, 1) * freqs  # (1, s, 1, half)
-    out = x.double().clone()
     if interleaved:
         i, j = torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)
     else:
         i, j = torch.arange(half), torch.arange(half, rotary_dim)
     a, b = x.double()[..., i], x.double()[..., j]
-    out[..., i] = a * angle.cos() - b * angle.sin()
-    out[..., j] = b * angle.cos() + a * angle.sin()
+    out = x.double().index_copy(-1, i, a * angle.cos() - b * angle.sin())
+    out = out.index_copy(-1, j, b * angle.cos() + a * angle.sin())
     return out.float()
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [8, 4])
-def test_mha_rotary_matches_explicit_rotation(interleaved, rotary_dim):
+@pytest.mark.parametrize("heads_kv", [4, 2])
+def test_mha_rotary_matches_explicit_rotation(interleaved, rotary_dim, heads_kv):
+    """Forward and gradients (the rotary kernel works in place on views of Wqkv's output)."""
     torch.manual_seed(0)
-    mha = MHA(32, 4, causal=True, rotary_emb_dim=rotary_dim,
-              rotary_emb_interleaved=interleaved).eval()
-    x = torch.randn(2, 7, 32)
-    q, k, v = mha.Wqkv(x).unflatten(-1, (3, 4, 8)).unbind(2)
+    mha = MHA(32, 4, num_heads_kv=heads_kv, causal=True, rotary_emb_dim=rotary_dim,
+              rotary_emb_interleaved=interleaved)
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    q, k, v = mha.Wqkv(x).split([32, 8 * heads_kv, 8 * heads_kv], dim=-1)
+    q, k, v = q.unflatten(-1, (4, 8)), k.unflatten(-1, (heads_kv, 8)), v.unflatten(-1, (heads_kv, 8))
     positions = torch.arange(7)
     q = _rotate_explicit(q, positions, rotary_dim, interleaved)
     k = _rotate_explicit(k, positions, rotary_dim, interleaved)
     expected = mha.out_proj(attention_reference(q, k, v, causal=True).flatten(-2))
-    assert (mha(x) - expected).abs().max().item() < 1e-5
+    grad = torch.randn_like(expected)
+    (dx_expected,) = torch.autograd.grad(expected, x, grad)
+    out = mha(x)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    assert (out - expected).abs().max().item() < 1e-5
+    assert (dx - dx_expected).abs().max().item() < 1e-5
 
 
 def test_torch_rotary_stand_in_matches_explicit_rotation():
