@@ -1,0 +1,106 @@
+import pytest
+import torch
+from transformers import BertConfig
+from transformers import BertForPreTraining as HFBertForPreTraining
+from transformers import BertModel as HFBertModel
+
+from flash_attn.models.bert import BertForPreTraining, BertModel, inv_remap_state_dict, remap_state_dict
+
+VOCAB = 100
+
+
+def _bert_config(**kwargs):
+    base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96,
+                vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0, initializer_range=0.1)
+    base.update(kwargs)
+    return BertConfig(**base)
+
+
+def _batch(seed=0):
+    torch.manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (3, 20))
+    mask = torch.arange(20).unsqueeze(0) < torch.tensor([[20], [12], [5]])
+    labels = torch.where(torch.rand(3, 20) < 0.3, ids, 0) * mask  # 0 = no prediction
+    return ids, mask.long(), torch.randint(0, 2, (3, 20)), labels, torch.tensor([0, 1, 1])
+
+
+@pytest.mark.parametrize("unpad", [False, True])
+@pytest.mark.parametrize("options", [{}, {"hidden_act": "gelu_new", "pad_vocab_size_multiple": 8},
+                                     {"dense_seq_output": True}])
+def test_bert_for_pretraining_matches_hf(unpad, options):
+    config = _bert_config(**options)
+    config.unpad = unpad
+    torch.manual_seed(0)
+    hf = HFBertForPreTraining(config).eval()
+    ours = BertForPreTraining(config).eval()
+    ours.load_state_dict(remap_state_dict(hf.state_dict(), config))
+    ids, mask, token_types, labels, nsp = _batch()
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask, token_type_ids=token_types,
+                      labels=labels.masked_fill(labels == 0, -100), next_sentence_label=nsp)
+        out = ours(ids, attention_mask=mask, token_type_ids=token_types, labels=labels,
+                   next_sentence_label=nsp)
+    logits = out.prediction_logits[..., :VOCAB]
+    if options.get("dense_seq_output"):  # logits only where labels ask for a prediction
+        expected_logits = expected.prediction_logits[labels > 0]
+    else:
+        # The unpadded path leaves padding rows at zero: compare the real tokens.
+        logits, expected_logits = logits[mask.bool()], expected.prediction_logits[mask.bool()]
+    assert (logits - expected_logits).abs().max().item() <= 1e-4
+    assert (out.seq_relationship_logits - expected.seq_relationship_logits).abs().max().item() <= 1e-4
+    assert abs(out.loss.item() - expected.loss.item()) <= 1e-5
+
+
+def test_bert_model_matches_hf_and_unpadded_gradients():
+    config = _bert_config()
+    torch.manual_seed(0)
+    hf = HFBertModel(config).eval()
+    ours = BertModel(config).eval()
+    ours.load_state_dict(remap_state_dict(hf.state_dict(), config))  # no "bert." prefix
+    ids, mask, token_types, _, _ = _batch()
+    expected = hf(ids, attention_mask=mask, token_type_ids=token_types)
+    out = ours(ids, attention_mask=mask, token_type_ids=token_types)
+    real = mask.bool()
+    assert (out.last_hidden_state - expected.last_hidden_state)[real].abs().max().item() <= 1e-4
+    assert (out.pooler_output - expected.pooler_output).abs().max().item() <= 1e-4
+    # Padded and unpadded execution give the same gradients.
+    config.unpad = True
+    unpadded = BertModel(config)
+    unpadded.load_state_dict(ours.state_dict())
+    for model in (ours, unpadded):
+        out = model(ids, attention_mask=mask, token_type_ids=token_types)
+        (out.last_hidden_state[real].square().sum() + out.pooler_output.sum()).backward()
+    for (name, p), q in zip(ours.named_parameters(), unpadded.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4, name
+
+
+def test_bert_inverse_remap_roundtrip():
+    config = _bert_config(pad_vocab_size_multiple=8)
+    torch.manual_seed(0)
+    hf = HFBertForPreTraining(config)
+    ours = BertForPreTraining(config)
+    ours.load_state_dict(remap_state_dict(hf.state_dict(), config))
+    back = inv_remap_state_dict(ours.state_dict(), config)
+    reference = hf.state_dict()
+    missing = set(reference) - set(back)
+    assert all(k.endswith("position_ids") for k in missing), missing
+    for key in back:
+        assert torch.equal(back[key], reference[key]), key
+
+
+@pytest.mark.gpu
+def test_bert_flash_unpadded_matches_reference_gpu():
+    config = _bert_config(hidden_size=256, intermediate_size=1024, vocab_size=1000,
+                          max_position_embeddings=512, initializer_range=0.02)
+    torch.manual_seed(0)
+    ref = BertForPreTraining(config).cuda().eval()
+    config.update(dict(use_flash_attn=True, fused_bias_fc=True, fused_dropout_add_ln=True))
+    flash = BertForPreTraining(config).cuda().to(torch.bfloat16).eval()
+    flash.load_state_dict(ref.state_dict())
+    ids = torch.randint(1, 1000, (4, 256), device="cuda")
+    mask = torch.arange(256, device="cuda") < torch.tensor([[256], [200], [17], [1]], device="cuda")
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=mask).prediction_logits
+        out = flash(ids, attention_mask=mask).prediction_logits.float()
+    assert (out - expected)[mask].abs().max().item() < 0.1
