@@ -3,6 +3,8 @@ single-process losses and each its slice of the single-process gradient. gloo on
 interpreter), NCCL on two GPUs."""
 
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,11 +91,20 @@ def _worker(rank, backend, port, n_rows, vocab):
         dist.destroy_process_group()
 
 
+def _spawn(*args):
+    # The children unpickle _worker by its module name (tests.losses...): keep the repository
+    # root importable for them (spawn hands them this sys.path), after the installed packages.
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.append(root)
+    mp.spawn(_worker, args=args, nprocs=WORLD_SIZE, join=True)
+
+
 def test_vocab_parallel_gloo():
-    mp.spawn(_worker, args=("gloo", _free_port(), 7, 2 * 150), nprocs=WORLD_SIZE, join=True)
+    _spawn("gloo", _free_port(), 7, 2 * 150)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_vocab_parallel_nccl():
-    mp.spawn(_worker, args=("nccl", _free_port(), 129, 2 * 25000), nprocs=WORLD_SIZE, join=True)
+    _spawn("nccl", _free_port(), 129, 2 * 25000)

@@ -266,6 +266,10 @@ class CrossEntropyLossFunction(torch.autograd.Function):
         return dlogits, None, None, None, None, None, None, None
 
 
+# flash-attn's name for the autograd Function (the nn.Module lives in flash_attn.losses)
+CrossEntropyLoss = CrossEntropyLossFunction
+
+
 def cross_entropy_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
