@@ -9,8 +9,10 @@ namespace layer_norm {
 
 constexpr int kFwdThreads = 256;
 
-// I: input and output dtype, R: residual / pre-norm sum dtype, W: weight dtype.
-template <typename I, typename R, typename W, int NV>
+// I: input and output dtype, R: residual / pre-norm sum dtype, W: weight dtype. kParallel: the
+// second input x1 and the second output z1 (the parallel-residual form) are compiled in; without
+// it their registers are not spent.
+template <typename I, typename R, typename W, int NV, bool kParallel>
 __global__ void __launch_bounds__(kFwdThreads) ln_fwd_kernel(const FwdParams p) {
   __shared__ float smem[kFwdThreads / 32];
   const int tpr = blockDim.x;
@@ -49,7 +51,7 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_kernel(const FwdParams p) 
     if (c < vecs) {
       const int64_t col = static_cast<int64_t>(c) * kEltsPerVec;
       if (has_x0) x0v[i].load(p.x0, row_x0 * p.cols + col);
-      if (row_ok && p.x1 != nullptr) x1v[i].load(p.x1, row * p.cols + col);
+      if (kParallel && row_ok && p.x1 != nullptr) x1v[i].load(p.x1, row * p.cols + col);
       if (row_ok && p.residual != nullptr) resv[i].load(p.residual, row * p.cols + col);
     }
   }
@@ -67,7 +69,7 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_kernel(const FwdParams p) 
     for (int j = 0; j < kEltsPerVec; ++j) keep0[j] = keep1[j] = true;
     if (c < vecs && dropout) {
       if (has_x0) dropout_keep(seed, 0, row_x0 * p.cols + col, p.keep_threshold, keep0);
-      if (row_ok && p.x1 != nullptr) {
+      if (kParallel && row_ok && p.x1 != nullptr) {
         dropout_keep(seed, kStreamX1, row * p.cols + col, p.keep_threshold, keep1);
       }
     }
@@ -78,7 +80,7 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_kernel(const FwdParams p) 
       float a = x0v[i].get(j) * scale;
       if (p.colscale != nullptr) a *= cs.get(j);
       if (dropout) a = keep0[j] ? a * p.dropout_scale : 0.f;
-      if (p.x1 != nullptr) {
+      if (kParallel && p.x1 != nullptr) {
         const float b = x1v[i].get(j);
         a += dropout ? (keep1[j] ? b * p.dropout_scale : 0.f) : b;
       }
@@ -92,7 +94,9 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_kernel(const FwdParams p) 
     if (c < vecs) {
       if (row_ok && p.x != nullptr) xout.store(p.x, row * p.cols + col);
       if (dropout && has_x0) m0.store(p.dmask, row_x0 * p.cols + col);
-      if (dropout && row_ok && p.dmask1 != nullptr) m1.store(p.dmask1, row * p.cols + col);
+      if (kParallel && dropout && row_ok && p.dmask1 != nullptr) {
+        m1.store(p.dmask1, row * p.cols + col);
+      }
     }
   }
 
@@ -135,7 +139,7 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_kernel(const FwdParams p) 
       z.set(j, (v[i][j] - mean) * rstd * g.get(j) + b.get(j));
     }
     z.store(p.z, row_z * p.cols + col);
-    if (p.z1 != nullptr) {
+    if (kParallel && p.z1 != nullptr) {
       g.load(p.gamma1, col);
       if (p.beta1 != nullptr) b.load(p.beta1, col); else b.zero();
 #pragma unroll
@@ -162,9 +166,15 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int tpr = next_pow2(ceil_div(p.cols / kEltsPerVec, nv));
   const dim3 block(tpr, kFwdThreads / tpr);
   const dim3 grid(ceil_div(p.rows, block.y));
-  if (nv == 1) ln_fwd_kernel<I, R, W, 1><<<grid, block, 0, stream>>>(p);
-  else if (nv == 2) ln_fwd_kernel<I, R, W, 2><<<grid, block, 0, stream>>>(p);
-  else ln_fwd_kernel<I, R, W, 4><<<grid, block, 0, stream>>>(p);
+  if (p.x1 != nullptr || p.z1 != nullptr) {
+    if (nv == 1) ln_fwd_kernel<I, R, W, 1, true><<<grid, block, 0, stream>>>(p);
+    else if (nv == 2) ln_fwd_kernel<I, R, W, 2, true><<<grid, block, 0, stream>>>(p);
+    else ln_fwd_kernel<I, R, W, 4, true><<<grid, block, 0, stream>>>(p);
+  } else {
+    if (nv == 1) ln_fwd_kernel<I, R, W, 1, false><<<grid, block, 0, stream>>>(p);
+    else if (nv == 2) ln_fwd_kernel<I, R, W, 2, false><<<grid, block, 0, stream>>>(p);
+    else ln_fwd_kernel<I, R, W, 4, false><<<grid, block, 0, stream>>>(p);
+  }
 }
 
 // The instantiation table: for input dtype I, residual and weights are each I or fp32.
