@@ -9,7 +9,9 @@
 
 #include <cublasLt.h>
 
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 namespace fused_dense {
@@ -161,6 +163,43 @@ class LtGemm {
   cublasLtMatmulPreference_t preference_ = nullptr;
 };
 
+// The heuristic's answer depends on the problem, not on the buffers beyond their alignment, and
+// asking costs tens of microseconds of CPU per call: answers are kept per problem.
+struct Candidates {
+  cublasLtMatmulHeuristicResult_t results[kMaxHeuristicAlgos];
+  int count = 0;
+};
+
+using ProblemKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int,
+                              bool, bool, int64_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, size_t>;
+
+ProblemKey problem_key(const LtContext& ctx, const GemmSpec& s) {
+  return ProblemKey(ctx.device, s.dtype, s.trans_a, s.trans_b, s.m, s.n, s.k, s.lda, s.ldb, s.ldd, s.epilogue,
+                    s.bias != nullptr, s.aux != nullptr, s.aux_ld, alignment_of(s.a), alignment_of(s.b),
+                    alignment_of(s.d), alignment_of(s.bias), alignment_of(s.aux), ctx.workspace_bytes);
+}
+
+Status candidates_for(const LtContext& ctx, const GemmSpec& spec, cublasLtHandle_t handle, LtGemm& gemm,
+                      Candidates* out) {
+  static std::mutex mutex;
+  static std::map<ProblemKey, Candidates> cache;
+  const ProblemKey key = problem_key(ctx, spec);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto hit = cache.find(key);
+    if (hit != cache.end()) {
+      *out = hit->second;
+      return Status();
+    }
+  }
+  Status status = gemm.candidates(handle, out->results, &out->count);
+  if (!status.ok()) return status;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cache.size() >= 4096) cache.clear();  // bounded, for callers whose row count keeps changing
+  cache.emplace(key, *out);
+  return Status();
+}
+
 Status count_algos(const LtContext& ctx, const GemmSpec& spec, int* count) {
   cublasLtHandle_t handle;
   Status status = handle_for(ctx.device, &handle);
@@ -168,8 +207,10 @@ Status count_algos(const LtContext& ctx, const GemmSpec& spec, int* count) {
   LtGemm gemm(spec);
   status = gemm.describe(ctx.workspace_bytes);
   if (!status.ok()) return status;
-  cublasLtMatmulHeuristicResult_t results[kMaxHeuristicAlgos];
-  return gemm.candidates(handle, results, count);
+  Candidates candidates;
+  status = candidates_for(ctx, spec, handle, gemm, &candidates);
+  *count = candidates.count;
+  return status;
 }
 
 Status run_gemm(const LtContext& ctx, const GemmSpec& spec, int heuristic) {
@@ -179,10 +220,11 @@ Status run_gemm(const LtContext& ctx, const GemmSpec& spec, int heuristic) {
   LtGemm gemm(spec);
   status = gemm.describe(ctx.workspace_bytes);
   if (!status.ok()) return status;
-  cublasLtMatmulHeuristicResult_t results[kMaxHeuristicAlgos];
-  int count = 0;
-  status = gemm.candidates(handle, results, &count);
+  Candidates candidates;
+  status = candidates_for(ctx, spec, handle, gemm, &candidates);
   if (!status.ok()) return status;
+  const int count = candidates.count;
+  const cublasLtMatmulHeuristicResult_t* results = candidates.results;
   if (count == 0) {
     status.code = Status::kNoAlgorithm;
     status.message = "cublasLtMatmulAlgoGetHeuristic returned no algorithm for this epilogue and shape";

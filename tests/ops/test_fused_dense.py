@@ -609,10 +609,13 @@ def test_fused_mlp_and_dense_under_autocast(autocast_dtype, activation):
     x = torch.randn(4, 129, 256, device="cuda", requires_grad=True)
     params = [mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias]
     grad = torch.randn(4, 129, 256, device="cuda", dtype=autocast_dtype)
+    leaves = [leaf(t) for t in [x] + params]
     with torch.autocast("cuda", dtype=autocast_dtype):
         assert fd._mlp_eligible(x, params[0], params[2], params[1], params[3], activation)
-        lowp = run_with_grads(lambda *t: plain_mlp(*t, activation), [x] + params, grad)
+        out_lowp = plain_mlp(*leaves, activation)
         out = mlp(x)
+    out_lowp.backward(grad)  # backward outside autocast, as PyTorch recommends
+    lowp = (out_lowp.detach(), [t.grad for t in leaves])
     fp32 = run_with_grads(lambda *t: plain_mlp(*t, activation), [x] + params, grad.float())
     assert out.dtype == autocast_dtype
     out.backward(grad)

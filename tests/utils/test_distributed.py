@@ -156,6 +156,7 @@ CHECKS = [check_raw_collectives, check_autograd_collectives, check_sync_shared_p
 
 
 def main(backend, rank, world, port):
+    torch.set_num_threads(1)  # two ranks on a 2-core CI machine: no oversubscription
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))
