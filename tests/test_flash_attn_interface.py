@@ -187,7 +187,10 @@ def test_varlen(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, so
     out = output_pad_fn(out_unpad)
     dropout_mask = None
     if dropout_p > 0:
-        dropout_mask = dropout_mask_from_S_dmask(S_dmask, seqlen_q, seqlen_k)
+        # S_dmask spans the longest sequences; padded positions beyond them are masked anyway.
+        dropout_mask = torch.ones(batch, nheads, seqlen_q, seqlen_k, dtype=torch.bool, device=DEVICE)
+        dropout_mask[:, :, :max_seqlen_q, :max_seqlen_k] = dropout_mask_from_S_dmask(
+            S_dmask, max_seqlen_q, max_seqlen_k)
     kwargs = dict(query_padding_mask=query_padding_mask, key_padding_mask=key_padding_mask,
                   dropout_p=dropout_p, dropout_mask=dropout_mask, causal=causal,
                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)

@@ -53,7 +53,7 @@ __device__ void write_empty_rows(const AttentionParams &params, const SequenceIn
     Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
     CUTE_UNROLL
     for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.head_dim; }
-    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, seq.seqlen_q - m_block * kBlockM);
+    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, seq.seqlen_q - m_block * kBlockM, false);
     for (int r = tidx; r < kBlockM; r += Traits::kNThreads) {
         const int row = m_block * kBlockM + r;
         if (row < seq.seqlen_q) {
@@ -72,7 +72,9 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     constexpr int kHeadDim = Traits::kHeadDim, kNWarps = Traits::kNWarps;
 
     extern __shared__ char smem[];
-    const int m_block = blockIdx.x, bidb = blockIdx.y, bidh = blockIdx.z;
+    // Heaviest query blocks first (under a causal mask the last rows see the most keys), so that
+    // the light ones fill the tail of the grid.
+    const int m_block = gridDim.x - 1 - blockIdx.x, bidb = blockIdx.y, bidh = blockIdx.z;
     const int tidx = threadIdx.x, lane = tidx % 32, warp = tidx / 32;
 
     if constexpr (Is_dropout) {
@@ -154,15 +156,18 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     CUTE_UNROLL
     for (int k = 0; k < size(tKVpKV); ++k) { tKVpKV(k) = get<1>(tKVcKV(0, 0, k)) < params.head_dim; }
 
+    const bool even_k = params.head_dim == kHeadDim;
     auto load_k = [&](int n_block) {
         tKgK.data() = tKgK_base + kv_block_offset<kBlockN>(params, bidb, n_block, params.k_batch_stride,
                                                              params.k_row_stride);
-        copy_tile(gmem_tiled_copy, tKgK, tKsK, tKVcKV, tKVpKV, seq.seqlen_k - n_block * kBlockN);
+        const int rows = seq.seqlen_k - n_block * kBlockN;
+        copy_tile(gmem_tiled_copy, tKgK, tKsK, tKVcKV, tKVpKV, rows, even_k && rows >= kBlockN);
     };
     auto load_v = [&](int n_block) {
         tVgV.data() = tVgV_base + kv_block_offset<kBlockN>(params, bidb, n_block, params.v_batch_stride,
                                                              params.v_row_stride);
-        copy_tile(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tKVpKV, seq.seqlen_k - n_block * kBlockN);
+        const int rows = seq.seqlen_k - n_block * kBlockN;
+        copy_tile(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tKVpKV, rows, even_k && rows >= kBlockN);
     };
 
     // Shared -> register operands of the two GEMMs.
@@ -204,7 +209,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
               (int64_t(bidb) * params.heads + bidh) * params.seqlen_q_rounded * params.seqlen_k_rounded;
 
     // Prologue: Q and the last key block.
-    copy_tile(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, tQpQ, seq.seqlen_q - m_block * kBlockM);
+    const int q_rows = seq.seqlen_q - m_block * kBlockM;
+    copy_tile(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, tQpQ, q_rows, even_k && q_rows >= kBlockM);
     load_k(n_block_max - 1);
     cute::cp_async_fence();
 
@@ -225,16 +231,20 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
              smem_thr_copy_Q, smem_thr_copy_K);
 
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
-        if (has_softcap) {
-            CUTE_UNROLL
-            for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = fast_tanh(acc_s(i) * params.softcap_input_scale); }
-        }
+        // Score modifications, in flash-attn's order: softcap, ALiBi, then the mask. Interior
+        // tiles of plain attention skip all of it with one uniform branch.
         const bool needs_mask = mask.tile_needs_mask<Is_masked, kBlockM, kBlockN>(m_block, n_block);
-        const int col0 = n_block * kBlockN + (lane % 4) * 2;
-        if (has_alibi) {
-            mask.apply<Is_masked, true>(scores, row0, col0, kRowStride, needs_mask);
-        } else if (needs_mask) {
-            mask.apply<Is_masked, false>(scores, row0, col0, kRowStride, true);
+        if (has_softcap || has_alibi || needs_mask) {
+            if (has_softcap) {
+                CUTE_UNROLL
+                for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = fast_tanh(acc_s(i) * params.softcap_input_scale); }
+            }
+            const int col0 = n_block * kBlockN + (lane % 4) * 2;
+            if (has_alibi) {
+                mask.apply<Is_masked, true>(scores, row0, col0, kRowStride, needs_mask);
+            } else if (needs_mask) {
+                mask.apply<Is_masked, false>(scores, row0, col0, kRowStride, true);
+            }
         }
 
         cute::cp_async_wait<0>();
@@ -299,7 +309,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
     CUTE_UNROLL
     for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.head_dim; }
-    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, seq.seqlen_q - m_block * kBlockM);
+    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, q_rows, even_k && q_rows >= kBlockM);
 }
 
 }  // namespace flash

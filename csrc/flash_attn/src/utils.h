@@ -77,12 +77,22 @@ __device__ __forceinline__ void gemm(Acc &acc, TA &tCrA, TB &tCrB, TsA const &tC
     }
 }
 
-// Copies a (rows, cols) tile partitioned by a tiled copy: rows at or beyond `rows_valid` and
-// columns whose predicate is false are skipped, and, with Clear_OOB, zeroed in the destination
+// Copies a (rows, cols) tile partitioned by a tiled copy. Interior tiles (`full`: every row and
+// column in bounds) take the unpredicated path; otherwise rows at or beyond `rows_valid` and
+// columns whose predicate is false are skipped and, with Clear_OOB, zeroed in the destination
 // (shared memory) so that padding contributes nothing to the GEMMs.
 template <bool Clear_OOB = true, typename TiledCopy, typename TS, typename TD, typename TC, typename TP>
 __device__ __forceinline__ void copy_tile(TiledCopy tiled_copy, TS const &src, TD &dst,
-                                          TC const &identity, TP const &col_valid, int rows_valid) {
+                                          TC const &identity, TP const &col_valid, int rows_valid,
+                                          bool full) {
+    if (full) {
+        CUTE_UNROLL
+        for (int m = 0; m < size<1>(src); ++m) {
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(src); ++k) { cute::copy(tiled_copy, src(_, m, k), dst(_, m, k)); }
+        }
+        return;
+    }
     CUTE_UNROLL
     for (int m = 0; m < size<1>(src); ++m) {
         if (get<0>(identity(0, m, 0)) < rows_valid) {
