@@ -26,9 +26,12 @@ ATOL = 1e-4
 
 
 def _assert_close(name, ours, ref, ref_lowp, atol=ATOL):
+    """err <= 2 * base + slack. The slack grows with the magnitude: fp32 sums over many rows
+    (weight gradients) differ by accumulation order alone, also where base is 0."""
     err = (ours.float() - ref.float()).abs().max().item()
     base = (ref_lowp.float() - ref.float()).abs().max().item()
-    assert err <= 2 * base + atol, f"{name}: error {err:.3g} > 2 * {base:.3g} + {atol}"
+    slack = atol + 1e-5 * ref.float().abs().max().item()
+    assert err <= 2 * base + slack, f"{name}: error {err:.3g} > 2 * {base:.3g} + {slack:.3g}"
 
 
 def _leaf(t):
