@@ -83,18 +83,19 @@ def make_inputs(case, M, N):
     return [x, residual, w, b]
 
 
-def measure(fn, inputs):
+def measure(fn, inputs, rep=100):
     """(forward ms, backward ms); the forward runs with autograd recording, as in training."""
     for _ in range(3):  # compile / JIT outside the timed region
         outs = fn(*inputs)
         torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs])
-    fwd = time_ms(lambda: fn(*inputs))
+    fwd = time_ms(lambda: fn(*inputs), rep=rep)
     outs = fn(*inputs)
     grads = [torch.randn_like(o) for o in outs]
     try:
-        bwd = time_ms(lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True))
+        bwd = time_ms(lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True),
+                      rep=rep)
     except RuntimeError:  # a backward that cannot run twice on one graph: time fwd + bwd
-        both = time_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, grads))
+        both = time_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, grads), rep=rep)
         bwd = both - fwd
     return fwd, bwd
 
@@ -124,7 +125,7 @@ def sweep_cuda(copy_gbs):
                 continue
             dropout_layer_norm._set_vecs_per_thread(fwd_nv if fwd_ok else 0,
                                                     bwd_nv if bwd_ok else 0)
-            fwd, bwd = measure(fn, inputs)
+            fwd, bwd = measure(fn, inputs, rep=50)
             rows.append([f"{M}x{N}", fwd_nv if fwd_ok else "-",
                          gbs("dropout_add_ln", M, N, fwd, 0) if fwd_ok else "-",
                          bwd_nv if bwd_ok else "-",

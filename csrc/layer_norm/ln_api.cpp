@@ -284,7 +284,8 @@ std::vector<Tensor> bwd_impl(const Tensor& dz, const OptTensor& dz1_, const OptT
   p.itype = to_dtype(itype, "dz");
   p.rtype = to_dtype(rtype, "x");
   p.wtype = to_dtype(wtype, "gamma");
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, device.index()));
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, device.index()));
   p.dz = dz.data_ptr();
   p.dz1 = ptr_or_null(dz1_);
   p.dx = ptr_or_null(dx_);

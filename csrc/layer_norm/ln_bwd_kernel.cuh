@@ -200,7 +200,8 @@ ln_reduce_parts_kernel(const PartsToReduce r, int num_parts, int cols) {
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (col < cols) {
     for (int k = threadIdx.y; k < num_parts; k += kReduceRows) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(part + static_cast<int64_t>(k) * cols + col));
+      const float* src = part + static_cast<int64_t>(k) * cols + col;
+      const float4 v = __ldg(reinterpret_cast<const float4*>(src));
       acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
     }
   }

@@ -239,7 +239,8 @@ def _layer_norm_bwd_kernel(
             tl.store(DRESIDUAL_IN + cols, dx, mask=in_row)
         if HAS_DX1:
             if HAS_DROPOUT:
-                keep1 = tl.rand(tl.load(SEEDS + M + row).to(tl.uint32), cols, n_rounds=7) > dropout_p
+                seed1 = tl.load(SEEDS + M + row).to(tl.uint32)
+                keep1 = tl.rand(seed1, cols, n_rounds=7) > dropout_p
                 dx1 = tl.where(keep1, dx / (1.0 - dropout_p), 0.0)
             else:
                 dx1 = dx
