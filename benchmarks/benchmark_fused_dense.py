@@ -162,7 +162,7 @@ def main():
            epilogue_rows, notes="ours = fused_dense_lib.linear_act_forward without the saved pre-activation, "
                                 "like torch._addmm_activation; +pre_act also writes the GELU input.")
     report("fused_dense: MLP forward+backward, bf16 (ms)",
-           ["shape", "plain MLP", "FusedMLP auto", "FusedMLP -1", "FusedMLP 0", "auto plan (fwd, bwd)",
+           ["shape", "plain MLP", "FusedMLP auto", "FusedMLP -1", "FusedMLP 0", "auto plan (fwd, bwd, wgrad)",
             "auto TFLOP/s", "speedup auto", "speedup -1", "speedup 0", "unfused/auto"],
            mlp_rows, notes="speedup = plain MLP time / FusedMLP time; FLOPs 12 * tokens * d * hidden.")
     save_plot("fused_dense.png", "fused dense, bf16: speedup over the PyTorch peer", "tokens",

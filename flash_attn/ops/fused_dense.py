@@ -12,7 +12,8 @@ Paths a call can take:
 
 heuristic: -1 = GEMM and activation as separate kernels; 0..4 = that candidate of cuBLASLt's
 heuristic; "auto" = measure once per (shape, dtype, device) the candidates and the unfused path,
-for the forward and the backward separately, and keep the fastest (ties go to unfused).
+for the forward and the backward separately, and the weight gradients' GEMM (BGRADB epilogue or
+PyTorch's mm + sum), and keep the fastest (ties go to what heuristic=-1 runs).
 """
 
 import contextlib
@@ -86,9 +87,10 @@ def _dense_eligible(x, weight, *more):
             and max(batch_dim, *features) <= _MAX_FUSED_DIM)
 
 
-def _wgrad(input, grad_output, need_bias):
-    """(grad_weight, grad_bias or None) of a Linear from 2-D input and grad_output."""
-    if (_ext() is not None and _on_one_cuda_device(input, grad_output) and input.dtype in _HALF_DTYPES
+def _wgrad(input, grad_output, need_bias, fused=True):
+    """(grad_weight, grad_bias or None) of a Linear from 2-D input and grad_output; fused: one
+    cuBLASLt GEMM with the bias gradient in its epilogue, else PyTorch's mm and sum."""
+    if (fused and _ext() is not None and _on_one_cuda_device(input, grad_output) and input.dtype in _HALF_DTYPES
             and input.numel() > 0 and grad_output.numel() > 0):
         grad_output = grad_output.to(input.dtype).contiguous()
         return tuple(_ext().linear_bias_wgrad(input.contiguous(), grad_output, need_bias))
@@ -238,14 +240,20 @@ class RowParallelLinear(nn.Linear):
 
 
 def _split_heuristic(heuristic, activation):
-    """(forward, backward) algorithm choice, -1 meaning unfused; an int applies to both."""
-    fwd, bwd = heuristic if isinstance(heuristic, (tuple, list)) else (heuristic, heuristic)
-    fwd, bwd = int(fwd), int(bwd)
+    """(forward, backward, wgrad) choice from an int (forward and backward; wgrad 0) or a pair or
+    triple. forward/backward: -1 unfused, else the cuBLASLt candidate of the GEMM + activation
+    epilogue; wgrad: 0 the BGRADB GEMM of fused_dense_lib, -1 PyTorch's mm + sum."""
+    if isinstance(heuristic, (tuple, list)):
+        fwd, bwd, wgrad = (tuple(heuristic) + (0,))[:3]
+    else:
+        fwd = bwd = heuristic
+        wgrad = 0
+    fwd, bwd, wgrad = int(fwd), int(bwd), int(wgrad)
     if activation == "sqrelu" and (fwd, bwd) != (-1, -1):
         raise ValueError(f"activation='sqrelu' has no cuBLASLt epilogue: heuristic must be -1 (got {heuristic})")
     if activation == "relu" and fwd < 0:
         bwd = -1  # the fused ReLU backward reads the bit-mask only the fused forward writes
-    return fwd, bwd
+    return fwd, bwd, wgrad
 
 
 def _act_forward(x, weight1, bias1, activation, heuristic, save_act_input):
@@ -283,12 +291,12 @@ class FusedMLPFunc(torch.autograd.Function):
                 return_residual=False, checkpoint_lvl=0, heuristic=0, process_group=None, sequence_parallel=True):
         """checkpoint_lvl: 0 keeps the activation's input and output for backward, 1 recomputes the
         output, 2 recomputes both (save_pre_act=False implies 2). heuristic: int or a (forward,
-        backward) pair, -1 meaning unfused."""
+        backward[, wgrad]) tuple, see _split_heuristic."""
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS} (got {activation!r})")
         if checkpoint_lvl not in (0, 1, 2):
             raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 (got {checkpoint_lvl})")
-        fwd_h, bwd_h = _split_heuristic(heuristic, activation)
+        fwd_h, bwd_h, wgrad_h = _split_heuristic(heuristic, activation)
         if not save_pre_act:
             checkpoint_lvl = 2
         autocast = torch.is_autocast_enabled(x.device.type)
@@ -319,7 +327,7 @@ class FusedMLPFunc(torch.autograd.Function):
             ctx.save_for_backward(x, weight1, weight2, act_input)
         else:
             ctx.save_for_backward(x, weight1, weight2, bias1)
-        ctx.activation, ctx.checkpoint_lvl, ctx.heuristic = activation, checkpoint_lvl, (fwd_h, bwd_h)
+        ctx.activation, ctx.checkpoint_lvl, ctx.heuristic = activation, checkpoint_lvl, (fwd_h, bwd_h, wgrad_h)
         ctx.need_act_input, ctx.return_residual = need_act_input, return_residual
         ctx.process_group, ctx.sequence_parallel = process_group, sequence_parallel
         output2 = output2.reshape(*batch_shape, output2.shape[-1])
@@ -329,7 +337,8 @@ class FusedMLPFunc(torch.autograd.Function):
     @custom_bwd(device_type="cuda")
     def backward(ctx, grad_output, *args):
         grad_output = grad_output.contiguous()
-        activation, fwd_h, bwd_h = ctx.activation, *ctx.heuristic
+        activation, (fwd_h, bwd_h, wgrad_h) = ctx.activation, ctx.heuristic
+        fused_wgrad = wgrad_h >= 0
         process_group, sequence_parallel = ctx.process_group, ctx.sequence_parallel
         x, weight1, weight2, *rest = ctx.saved_tensors
         handle_x = None
@@ -355,7 +364,7 @@ class FusedMLPFunc(torch.autograd.Function):
         grad_output = grad_output.reshape(batch_dim, grad_output.shape[-1])
         grad_weight2 = grad_bias2 = None
         if ctx.needs_input_grad[3]:
-            grad_weight2, grad_bias2 = _wgrad(output1, grad_output, ctx.needs_input_grad[4])
+            grad_weight2, grad_bias2 = _wgrad(output1, grad_output, ctx.needs_input_grad[4], fused_wgrad)
         elif ctx.needs_input_grad[4]:
             grad_bias2 = grad_output.sum(0)
         grad_pre_act, grad_bias1 = _act_backward(grad_output, weight2, act_input, output1, activation, bwd_h)
@@ -377,7 +386,8 @@ class FusedMLPFunc(torch.autograd.Function):
                 handle_x.wait()
                 handle_x = None
             need_bias1 = ctx.needs_input_grad[2] and grad_bias1 is None
-            grad_weight1, grad_bias1_wgrad = _wgrad(total_x.reshape(batch_dim, in_features), grad_pre_act, need_bias1)
+            grad_weight1, grad_bias1_wgrad = _wgrad(total_x.reshape(batch_dim, in_features), grad_pre_act,
+                                                    need_bias1, fused_wgrad)
             if need_bias1:
                 grad_bias1 = grad_bias1_wgrad
         elif ctx.needs_input_grad[2] and grad_bias1 is None:
@@ -396,8 +406,9 @@ class FusedMLPFunc(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # heuristic="auto": measured once per problem, cached
 
-_AUTO_PLANS = {}  # (batch_dim, in, hidden, out, dtype, device, activation, has_bias1, training) -> (fwd, bwd)
-_TIE_MARGIN = 1.01  # a fused candidate must beat unfused by more than timing noise to be chosen
+_AUTO_PLANS = {}  # (batch_dim, in, hidden, out, dtype, device, activation, has_bias1, has_bias2, training)
+#                   -> (fwd, bwd, wgrad) as _split_heuristic takes it
+_TIE_MARGIN = 1.01  # a candidate must beat the default by more than timing noise to be chosen
 
 
 def _measure_ms(fn, warmup=2, reps=5):
@@ -414,14 +425,17 @@ def _measure_ms(fn, warmup=2, reps=5):
     return times[len(times) // 2]
 
 
-def _fastest(times):
+def _fastest(times, default=-1):
     best = min(times, key=times.get)
-    return -1 if times[-1] <= times[best] * _TIE_MARGIN else best
+    return default if times[default] <= times[best] * _TIE_MARGIN else best
 
 
-def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activation, has_bias1, training):
-    """Time the forward (GEMM1 + activation) and backward (activation gradient + GEMM1's weight
-    and bias gradients) of every candidate on random data of this shape; return (fwd, bwd)."""
+def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activation, has_bias1, has_bias2,
+              training):
+    """Time on random data of this shape, once: the forward GEMM + activation of every candidate;
+    in training also the two weight gradients (BGRADB GEMM or mm + sum), then the activation's
+    gradient with the first GEMM's weight gradient of every candidate. Ties go to what
+    heuristic=-1 runs (unfused, BGRADB weight gradients)."""
     ext, is_gelu = _ext(), activation == "gelu_approx"
     device_ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with device_ctx, torch.no_grad(), torch.autocast(device.type, enabled=False):
@@ -433,16 +447,23 @@ def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activ
                      for h in range(-1, n_fwd)}
         fwd = _fastest(fwd_times)
         if not training:
-            return fwd, -1
+            return fwd, -1, 0
         w2 = torch.randn(out_features, hidden, device=device, dtype=dtype) * hidden ** -0.5
         grad = torch.randn(batch_dim, out_features, device=device, dtype=dtype)
+        grad_pre_act = torch.randn(batch_dim, hidden, device=device, dtype=dtype)
         output1, pre_act = _act_forward(x, w1, b1, activation, -1, True)
         fused_act_input = pre_act if is_gelu else ext.linear_act_forward(x, w1, b1, False, True, 0)[1]
+
+        def wgrads(mode):
+            _wgrad(output1, grad, has_bias2, mode >= 0)
+            _wgrad(x, grad_pre_act, has_bias1, mode >= 0)
+
+        wgrad = _fastest({mode: _measure_ms(functools.partial(wgrads, mode)) for mode in (-1, 0)}, default=0)
 
         def backward(h):
             grad_pre_act, grad_bias1 = _act_backward(grad, w2, fused_act_input if h >= 0 else pre_act, output1,
                                                      activation, h)
-            _wgrad(x, grad_pre_act, has_bias1 and grad_bias1 is None)
+            _wgrad(x, grad_pre_act, has_bias1 and grad_bias1 is None, wgrad >= 0)
 
         n_bwd = min(ext.bias_act_linear_dgrad_bgrad_num_algos(w2, grad, fused_act_input, is_gelu),
                     ext.max_heuristic_algos)
@@ -455,10 +476,11 @@ def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activ
             fwd = fused_fwd
         else:
             bwd = -1
-    return fwd, bwd
+    return fwd, bwd, wgrad
 
 
-def _auto_heuristic(x, weight1, weight2, bias1, activation, save_pre_act, process_group, sequence_parallel):
+def _auto_heuristic(x, weight1, weight2, bias1, bias2, activation, save_pre_act, process_group,
+                    sequence_parallel):
     if activation == "sqrelu":
         return -1
     if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -467,7 +489,7 @@ def _auto_heuristic(x, weight1, weight2, bias1, activation, save_pre_act, proces
     if process_group is not None and sequence_parallel:
         batch_dim *= torch.distributed.get_world_size(process_group)
     key = (batch_dim, x.shape[-1], weight1.shape[0], weight2.shape[0], _autocast_dtype(x), x.device, activation,
-           bias1 is not None, bool(save_pre_act))
+           bias1 is not None, bias2 is not None, bool(save_pre_act))
     if key not in _AUTO_PLANS:
         _AUTO_PLANS[key] = _tune_mlp(*key)
     return _AUTO_PLANS[key]
@@ -485,8 +507,8 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
                    return_residual: bool = False, checkpoint_lvl: int = 0, heuristic=0,
                    process_group: Optional[ProcessGroup] = None, sequence_parallel: bool = True):
     """F.linear(act(F.linear(x, weight1, bias1)), weight2, bias2) with act gelu_approx (tanh),
-    relu or sqrelu; with return_residual, (output, x). heuristic: -1, 0..4, "auto" or a (forward,
-    backward) pair. With a process_group, weight1/bias1 hold this rank's hidden features and
+    relu or sqrelu; with return_residual, (output, x). heuristic: -1, 0..4, "auto", or a (forward,
+    backward[, wgrad]) tuple as "auto" chooses it. With a process_group, weight1/bias1 hold this rank's hidden features and
     weight2 its columns: x is all-gathered first (sequence_parallel) and the output is this rank's
     partial sum, to be reduced by the caller."""
     if activation not in ACTIVATIONS:
@@ -495,8 +517,8 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
         raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 (got {checkpoint_lvl})")
     if _mlp_eligible(x, weight1, weight2, bias1, bias2, activation):
         if heuristic == "auto":
-            heuristic = _auto_heuristic(x, weight1, weight2, bias1, activation, save_pre_act, process_group,
-                                        sequence_parallel)
+            heuristic = _auto_heuristic(x, weight1, weight2, bias1, bias2, activation, save_pre_act,
+                                        process_group, sequence_parallel)
     elif process_group is not None:
         heuristic = -1  # the same Functions on PyTorch ops, for their communication
     else:
