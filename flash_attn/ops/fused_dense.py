@@ -80,18 +80,21 @@ def _dense_eligible(x, weight, *more):
         if any(t is not None and t.dtype != x.dtype for t in (weight, *more)):
             return False  # mixed dtypes without autocast: let F.linear report it
     batch_dim = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
-    features = [size for t in (weight, *more) if t is not None for size in t.shape]
-    # As PyTorch does for its own cuBLASLt epilogues: no dimension of 1 (GEMV shapes); and rows of
-    # whole 16-byte vectors, which every cuBLASLt kernel takes.
-    return (batch_dim > 1 and all(size > 1 and size % 8 == 0 for size in features)
-            and max(batch_dim, *features) <= _MAX_FUSED_DIM)
+    return _sizes_ok(batch_dim, [size for t in (weight, *more) if t is not None for size in t.shape])
+
+
+def _sizes_ok(rows, features):
+    # As PyTorch does for its own cuBLASLt epilogues: no dimension of 1 (GEMV shapes); and feature
+    # rows of whole 16-byte vectors, which every cuBLASLt kernel takes.
+    return (rows > 1 and all(size > 1 and size % 8 == 0 for size in features)
+            and max(rows, *features) <= _MAX_FUSED_DIM)
 
 
 def _wgrad(input, grad_output, need_bias, fused=True):
     """(grad_weight, grad_bias or None) of a Linear from 2-D input and grad_output; fused: one
     cuBLASLt GEMM with the bias gradient in its epilogue, else PyTorch's mm and sum."""
     if (fused and _ext() is not None and _on_one_cuda_device(input, grad_output) and input.dtype in _HALF_DTYPES
-            and input.numel() > 0 and grad_output.numel() > 0):
+            and _sizes_ok(input.shape[0], [input.shape[1], grad_output.shape[1]])):
         grad_output = grad_output.to(input.dtype).contiguous()
         return tuple(_ext().linear_bias_wgrad(input.contiguous(), grad_output, need_bias))
     grad_weight = grad_output.t().mm(input.to(grad_output.dtype))
