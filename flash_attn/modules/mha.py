@@ -183,6 +183,11 @@ def _reference_call(module, q, k, v, causal, key_padding_mask, cu_seqlens_q, max
 # ----------------------------------------------------------------------------------------------
 
 
+def _fp32(alibi_slopes):
+    # The kernels take fp32 slopes; model.to(bfloat16) converts float buffers too.
+    return alibi_slopes.float() if alibi_slopes is not None else None
+
+
 class FlashSelfAttention(nn.Module):
     """qkv (b, s, 3, h, d), or (total, 3, h, d) with cu_seqlens (b+1,) int32 and max_seqlen."""
 
@@ -198,7 +203,7 @@ class FlashSelfAttention(nn.Module):
         kwargs = dict(dropout_p=self.drop.p if self.training else 0.0,
                       softmax_scale=self.softmax_scale,
                       causal=self.causal if causal is None else causal,
-                      window_size=self.window_size, alibi_slopes=self.alibi_slopes,
+                      window_size=self.window_size, alibi_slopes=_fp32(self.alibi_slopes),
                       deterministic=self.deterministic)
         if cu_seqlens is None:
             return fai.flash_attn_qkvpacked_func(qkv, **kwargs)
@@ -221,7 +226,7 @@ class FlashCrossAttention(nn.Module):
         kwargs = dict(dropout_p=self.drop.p if self.training else 0.0,
                       softmax_scale=self.softmax_scale,
                       causal=self.causal if causal is None else causal,
-                      window_size=self.window_size, alibi_slopes=self.alibi_slopes,
+                      window_size=self.window_size, alibi_slopes=_fp32(self.alibi_slopes),
                       deterministic=self.deterministic)
         if cu_seqlens is None:
             return fai.flash_attn_kvpacked_func(q, kv, **kwargs)
@@ -420,7 +425,7 @@ class MHA(nn.Module):
             out = _try_flash_kvcache(q, cache, kv, seqlens.to(torch.int32),
                                      softmax_scale=self.inner_cross_attn.softmax_scale,
                                      causal=self.causal, window_size=self.window_size,
-                                     alibi_slopes=self.inner_cross_attn.alibi_slopes)
+                                     alibi_slopes=_fp32(self.inner_cross_attn.alibi_slopes))
             if out is not None:
                 return out
         seqlen = q.shape[1]

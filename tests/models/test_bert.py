@@ -95,12 +95,17 @@ def test_bert_flash_unpadded_matches_reference_gpu():
                           max_position_embeddings=512, initializer_range=0.02)
     torch.manual_seed(0)
     ref = BertForPreTraining(config).cuda().eval()
+    ref_lowp = BertForPreTraining(config).cuda().to(torch.bfloat16).eval()
+    ref_lowp.load_state_dict(ref.state_dict())
     config.update(dict(use_flash_attn=True, fused_bias_fc=True, fused_dropout_add_ln=True))
     flash = BertForPreTraining(config).cuda().to(torch.bfloat16).eval()
+    assert flash.bert.encoder.unpad
     flash.load_state_dict(ref.state_dict())
     ids = torch.randint(1, 1000, (4, 256), device="cuda")
     mask = torch.arange(256, device="cuda") < torch.tensor([[256], [200], [17], [1]], device="cuda")
     with torch.no_grad():
-        expected = ref(ids, attention_mask=mask).prediction_logits
-        out = flash(ids, attention_mask=mask).prediction_logits.float()
-    assert (out - expected)[mask].abs().max().item() < 0.1
+        expected = ref(ids, attention_mask=mask).prediction_logits[mask]
+        base = (ref_lowp(ids, attention_mask=mask).prediction_logits[mask].float() - expected)
+        err = flash(ids, attention_mask=mask).prediction_logits[mask].float() - expected
+    # flash-attn's model-test bound: 3x the error of the plain path in bf16.
+    assert err.abs().max().item() <= 3 * base.abs().max().item() + 1e-3

@@ -116,6 +116,36 @@ def test_decode_kv_cache_matches_full_forward(variant):
     assert torch.equal(full[:, 4:15].argmax(-1), sequences[:, 5:])
 
 
+@pytest.mark.parametrize("variant", ["gpt2", "llama-like"])
+def test_graph_decoding_path_on_cpu(variant):
+    """What a captured CUDA graph sees, replayed eagerly: the Python-level seqlen_offset frozen
+    at capture time (max_seqlen - 1), positions only through lengths_per_sample, and a warm-up
+    call that wrote garbage into the last cache slot. The logits must still match."""
+    from flash_attn.utils.generation import InferenceParams
+
+    torch.manual_seed(0)
+    model = GPTLMHeadModel(_config(**VARIANTS[variant])).eval()
+    batch, max_len = 2, 14
+    sequence = torch.randint(2, VOCAB, (batch, max_len))
+    params = InferenceParams(max_seqlen=max_len, max_batch_size=batch,
+                             key_value_memory_dict=model.allocate_inference_cache(batch, max_len),
+                             lengths_per_sample=torch.zeros(batch, dtype=torch.int32))
+    with torch.inference_mode():
+        params.seqlen_offset = max_len - 1  # "capture"
+        params.lengths_per_sample[:] = max_len - 1
+        model(torch.zeros(batch, 1, dtype=torch.long), position_ids=torch.zeros(batch, 1, dtype=torch.long),
+              inference_params=params, num_last_tokens=1)
+        params.reset(max_len, batch)
+        steps = [model(sequence[:, :5], inference_params=params, num_last_tokens=1).logits]
+        for pos in range(5, max_len):  # "replay"
+            params.lengths_per_sample[:] = pos
+            params.seqlen_offset = max_len - 1
+            steps.append(model(sequence[:, pos: pos + 1], position_ids=torch.full((batch, 1), pos),
+                               inference_params=params, num_last_tokens=1).logits)
+        full = model(sequence).logits
+    assert (torch.cat(steps, dim=1) - full[:, 4:]).abs().max().item() <= 1e-4
+
+
 def test_decode_teacher_outputs_and_eos():
     torch.manual_seed(0)
     model = GPTLMHeadModel(_config()).eval()
@@ -191,6 +221,14 @@ def _gpu_config(**kwargs):
                                initializer_range=0.02), **kwargs))
 
 
+def _assert_model_close(out, out_lowp, out_ref, name):
+    """Model-level bound (as flash-attn's model tests): our error against the fp32 model at most
+    3x the error of the plain path run in bf16."""
+    err = (out.float() - out_ref.float()).abs().max().item()
+    base = (out_lowp.float() - out_ref.float()).abs().max().item()
+    assert err <= 3 * base + 1e-3, f"{name}: error {err} vs bf16 plain-path error {base}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["gpt2", "llama-like"])
 def test_fused_paths_match_reference_gpu(variant):
@@ -205,11 +243,7 @@ def test_fused_paths_match_reference_gpu(variant):
     print(fused.transformer.active_paths())
     ids = torch.randint(0, 1000, (4, 256), device="cuda")
     with torch.no_grad():
-        out_ref = ref(ids).logits
-        out_lowp = ref_lowp(ids).logits.float()
-        out = fused(ids).logits.float()
-    err, base = (out - out_ref).abs().max().item(), (out_lowp - out_ref).abs().max().item()
-    assert err <= 2 * base + 1e-3, (err, base)
+        _assert_model_close(fused(ids).logits, ref_lowp(ids).logits, ref(ids).logits, "logits")
     try:
         logits = fused(ids).logits
         F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
@@ -227,16 +261,19 @@ def test_generation_kv_cache_and_cuda_graph_gpu(variant, fused):
     model = GPTLMHeadModel(config, device="cuda", dtype=torch.bfloat16).eval()
     prompt = torch.randint(2, 1000, (3, 40), device="cuda")
     out = decode(prompt, model, max_length=100, output_scores=True)
-    out_cg = decode(prompt, model, max_length=100, cg=True, output_scores=True)
+    assert out.sequences.shape == (3, 100)
     with torch.no_grad():
         full = model(out.sequences).logits.float()
     scores = torch.stack(out.scores, dim=1).float()
+    assert (scores - full[:, 39:99]).abs().max().item() < 0.05
+    # CUDA graphs, forced along the same tokens (greedy choices could flip at a near-tie).
+    out_cg = decode(prompt, model, max_length=100, cg=True, teacher_outputs=out.sequences,
+                    output_scores=True)
     scores_cg = torch.stack(out_cg.scores, dim=1).float()
-    assert (scores - full[:, 39:99]).abs().max().item() < 0.1
-    assert (scores_cg - scores).abs().max().item() < 0.1
-    # Greedy tokens may only differ after a near-tie; compare the prefix up to the first one.
-    same = (out.sequences == out_cg.sequences).all(0)
-    assert same[:60].all(), "cg=True and cg=False diverge early"
-    # A second call reuses the captured graphs.
-    out_cg2 = decode(prompt, model, max_length=100, cg=True)
-    assert torch.equal(out_cg2.sequences, out_cg.sequences)
+    assert (scores_cg - scores).abs().max().item() < 0.05
+    # A second call replays the captured graphs: the same numbers.
+    out_cg2 = decode(prompt, model, max_length=100, cg=True, teacher_outputs=out.sequences,
+                     output_scores=True)
+    assert torch.equal(torch.stack(out_cg2.scores, dim=1).float(), scores_cg)
+    # And free-running greedy decoding with graphs gives a full-length sequence.
+    assert decode(prompt, model, max_length=100, cg=True).sequences.shape == (3, 100)

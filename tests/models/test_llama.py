@@ -94,4 +94,5 @@ def test_llama_fused_matches_hf_gpu():
         ref = hf(ids).logits.float()
         err = (ours(ids).logits.float() - ref).abs().max().item()
         base = (hf_lowp(ids).logits.float() - ref).abs().max().item()
-    assert err <= 2 * base + 1e-3, (err, base)
+    # flash-attn's model-test bound: 3x the error of the bf16 HF model.
+    assert err <= 3 * base + 1e-3, (err, base)

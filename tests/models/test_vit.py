@@ -67,9 +67,15 @@ def test_vit_flash_matches_reference_gpu():
     torch.manual_seed(0)
     kwargs = dict(depth=2, num_classes=10)
     ref = vit_base_patch16_224(**kwargs).cuda().eval()
+    ref_lowp = vit_base_patch16_224(**kwargs).cuda().to(torch.bfloat16).eval()
+    ref_lowp.load_state_dict(ref.state_dict())
     flash = vit_base_patch16_224(use_flash_attn=True, fused_bias_fc=True, fused_dropout_add_ln=True,
                                  **kwargs).cuda().to(torch.bfloat16).eval()
     flash.load_state_dict(ref.state_dict())
     x = torch.randn(4, 3, 224, 224, device="cuda")
     with torch.no_grad():
-        assert (flash(x.bfloat16()).float() - ref(x)).abs().max().item() < 5e-2
+        expected = ref.forward_features(x)
+        base = (ref_lowp.forward_features(x.bfloat16()).float() - expected).abs().max().item()
+        err = (flash.forward_features(x.bfloat16()).float() - expected).abs().max().item()
+    # flash-attn's model-test bound: 3x the error of the plain path in bf16.
+    assert err <= 3 * base + 1e-3, (err, base)
