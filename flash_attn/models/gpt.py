@@ -395,16 +395,33 @@ def remap_state_dict_hf_gpt2(state_dict, config):
 
 
 def remap_state_dict_any(state_dict, config):
-    """Pick the remap by the checkpoint's key names (ours, HF GPT-2 or HF Llama)."""
+    """Pick the remap by the checkpoint's key names: ours, or HF GPT-2 / Llama / GPT-NeoX /
+    GPT-J / OPT."""
     keys = list(state_dict)
+
+    def has(fragment):
+        return any(fragment in k for k in keys)
+
     if any(k.startswith("transformer.layers.") for k in keys):
         return state_dict
-    if any(".attn.c_attn." in k for k in keys):
+    if has(".attn.c_attn."):
         return remap_state_dict_hf_gpt2(state_dict, config)
-    if any(".self_attn.q_proj." in k for k in keys):
+    if has("decoder.layers."):
+        from flash_attn.models.opt import remap_state_dict_hf_opt
+
+        return remap_state_dict_hf_opt(state_dict, config)
+    if has(".self_attn.q_proj."):
         from flash_attn.models.llama import remap_state_dict_hf_llama
 
         return remap_state_dict_hf_llama(state_dict, config)
+    if has(".attention.query_key_value."):
+        from flash_attn.models.gpt_neox import remap_state_dict_hf_gpt_neox
+
+        return remap_state_dict_hf_gpt_neox(state_dict, config)
+    if has(".attn.q_proj."):
+        from flash_attn.models.gptj import remap_state_dict_hf_gptj
+
+        return remap_state_dict_hf_gptj(state_dict, config)
     raise ValueError("unrecognised checkpoint layout (first keys: " + ", ".join(keys[:3]) + ")")
 
 
