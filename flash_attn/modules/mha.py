@@ -503,7 +503,8 @@ class MHA(nn.Module):
             self.__dict__["_rotary_cpu"] = fallback
         return fallback
 
-    def _attend(self, q_or_qkv, kv, key_padding_mask=None, cu_seqlens=None, max_seqlen=None):
+    def _attend(self, q_or_qkv, kv, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
+                cu_seqlens_k=None, max_seqlen_k=None):
         if self.use_flash_attn:
             if key_padding_mask is not None:
                 raise ValueError("MHA: key_padding_mask needs use_flash_attn=False; with flash "
@@ -517,8 +518,9 @@ class MHA(nn.Module):
             fn, args = self.inner_attn, (q_or_qkv,)
         else:
             fn, args = self.inner_cross_attn, (q_or_qkv, kv)
-            if cu_seqlens is not None:
-                varlen.update(cu_seqlens_k=cu_seqlens, max_seqlen_k=max_seqlen)
+            if cu_seqlens is not None:  # keys packed like the queries unless told otherwise
+                varlen.update(cu_seqlens_k=cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
+                              max_seqlen_k=max_seqlen if max_seqlen_k is None else max_seqlen_k)
             if key_padding_mask is not None and not self.cross_attn:
                 varlen["query_padding_mask"] = key_padding_mask  # self-attention: shared padding
         if self.checkpointing and self.training:
@@ -538,6 +540,9 @@ class MHA(nn.Module):
 
     def forward(self, x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
                 mixer_subset=None, inference_params=None, **kwargs):
+        """x (b, s, d) or packed (total, d) with cu_seqlens; cross_attn: keys from x_kv (default
+        x), queries from x[:, mixer_subset]; packed x_kv takes cu_seqlens_k / max_seqlen_k in
+        kwargs. Returns (b, s, d) (and the input with return_residual)."""
         if inference_params is not None and (cu_seqlens is not None or key_padding_mask is not None
                                              or self.dwconv):
             raise ValueError("MHA: inference_params cannot be combined with cu_seqlens, "
@@ -546,7 +551,8 @@ class MHA(nn.Module):
         if self.rotary_emb_dim > 0:
             q_or_qkv, kv = self._apply_rotary(q_or_qkv, kv, inference_params)
         if inference_params is None:
-            context = self._attend(q_or_qkv, kv, key_padding_mask, cu_seqlens, max_seqlen)
+            context = self._attend(q_or_qkv, kv, key_padding_mask, cu_seqlens, max_seqlen,
+                                   kwargs.get("cu_seqlens_k"), kwargs.get("max_seqlen_k"))
         else:
             context = self._attend_in_inference(q_or_qkv, kv, inference_params)
         out = self.out_proj(context.flatten(-2))

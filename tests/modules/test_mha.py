@@ -93,6 +93,21 @@ def test_mha_cross_attn_mixer_subset():
     assert (mha(x, x_kv=x_kv, mixer_subset=slice(0, 1)) - full[:, :1]).abs().max().item() < 1e-6
 
 
+def test_mha_cross_attn_varlen_with_separate_key_lengths():
+    """Packed queries (a subset of tokens) attending to packed keys of other lengths."""
+    torch.manual_seed(0)
+    mha = MHA(32, 4, cross_attn=True).eval()
+    q_lens, k_lens = [2, 1, 3], [5, 7, 4]
+    x = torch.randn(sum(q_lens), 32)
+    x_kv = torch.randn(sum(k_lens), 32)
+    cu_q = torch.tensor([0, 2, 3, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    out = mha(x, x_kv=x_kv, cu_seqlens=cu_q, max_seqlen=3, cu_seqlens_k=cu_k, max_seqlen_k=7)
+    for b in range(3):
+        expected = mha(x[cu_q[b]:cu_q[b + 1]].unsqueeze(0), x_kv=x_kv[cu_k[b]:cu_k[b + 1]].unsqueeze(0))
+        assert (out[cu_q[b]:cu_q[b + 1]] - expected[0]).abs().max().item() < 1e-5
+
+
 def test_mha_dwconv_and_causal_see_no_future():
     torch.manual_seed(0)
     mha = MHA(32, 4, causal=True, dwconv=True).eval()
