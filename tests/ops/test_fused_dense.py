@@ -380,7 +380,7 @@ def popcount_rows(mask):
     return unpack_bits(mask).sum(1)
 
 
-def ext_or_skip():
+def load_ext():
     from flash_attn._native import load_extension
 
     return load_extension("fused_dense_lib")
@@ -398,7 +398,7 @@ SHAPES = [(97, 256, 384), (1025, 512, 1024), (8, 1024, 128)]
 @pytest.mark.parametrize("heuristic", [0, 1, 4])
 @pytest.mark.parametrize("batch,in_features,out_features", SHAPES)
 def test_linear_act_forward(dtype, is_gelu, has_bias, save_pre_act, heuristic, batch, in_features, out_features):
-    ext = ext_or_skip()
+    ext = load_ext()
     torch.manual_seed(0)
     x = torch.randn(batch, in_features, device="cuda", dtype=dtype)
     w = torch.randn(out_features, in_features, device="cuda", dtype=dtype) / math.sqrt(in_features)
@@ -424,7 +424,7 @@ def test_linear_act_forward(dtype, is_gelu, has_bias, save_pre_act, heuristic, b
 @pytest.mark.parametrize("has_d_bias", [True, False])
 @pytest.mark.parametrize("batch,in_features,out_features", SHAPES)
 def test_linear_bias_wgrad(dtype, has_d_bias, batch, in_features, out_features):
-    ext = ext_or_skip()
+    ext = load_ext()
     torch.manual_seed(0)
     x = torch.randn(batch, in_features, device="cuda", dtype=dtype)
     g = torch.randn(batch, out_features, device="cuda", dtype=dtype)
@@ -444,7 +444,7 @@ def test_linear_bias_wgrad(dtype, has_d_bias, batch, in_features, out_features):
 @pytest.mark.parametrize("heuristic", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("batch,hidden,out_features", SHAPES)
 def test_bias_act_linear_dgrad_bgrad(dtype, is_gelu, heuristic, batch, hidden, out_features):
-    ext = ext_or_skip()
+    ext = load_ext()
     torch.manual_seed(0)
     x = torch.randn(batch, 64, device="cuda", dtype=dtype)
     w1 = torch.randn(hidden, 64, device="cuda", dtype=dtype) / 8
@@ -466,7 +466,7 @@ def test_bias_act_linear_dgrad_bgrad(dtype, is_gelu, heuristic, batch, hidden, o
 
 @pytest.mark.gpu
 def test_num_algos():
-    ext = ext_or_skip()
+    ext = load_ext()
     x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
     w2 = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
@@ -504,7 +504,7 @@ BAD_CALLS = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(BAD_CALLS))
 def test_bad_inputs_name_the_argument(case):
-    ext = ext_or_skip()
+    ext = load_ext()
     x = torch.randn(16, 128, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(256, device="cuda", dtype=torch.bfloat16)
@@ -541,7 +541,7 @@ def check_against_references(names, ours, lowp, fp32):
 @pytest.mark.parametrize("return_residual", [False, True])
 @pytest.mark.parametrize("batch_shape", [(1025,), (3, 67)])
 def test_fused_dense_gpu(dtype, has_bias, return_residual, batch_shape):
-    ext_or_skip()
+    load_ext()
     torch.manual_seed(0)
     layer = FusedDense(256, 512, bias=has_bias, return_residual=return_residual, device="cuda", dtype=dtype)
     x = torch.randn(*batch_shape, 256, device="cuda", dtype=dtype, requires_grad=True)
@@ -570,7 +570,7 @@ MLP_HEURISTICS = [-1, 0, 1, 4, (0, 1, -1), "auto"]
 def test_fused_mlp_gpu(dtype, activation, checkpoint_lvl, heuristic, batch_shape):
     if activation == "sqrelu" and heuristic not in (-1, "auto"):
         pytest.skip("sqrelu runs unfused only")
-    ext_or_skip()
+    load_ext()
     torch.manual_seed(0)
     mlp = FusedMLP(256, 1024, 384, activation=activation, checkpoint_lvl=checkpoint_lvl, heuristic=heuristic,
                    device="cuda", dtype=dtype)
@@ -590,7 +590,7 @@ def test_fused_mlp_gpu(dtype, activation, checkpoint_lvl, heuristic, batch_shape
 @pytest.mark.parametrize("activation", ["gelu_approx", "relu"])
 @pytest.mark.parametrize("bias1,bias2", [(False, True), (True, False)])
 def test_fused_mlp_gpu_without_biases(activation, bias1, bias2):
-    ext_or_skip()
+    load_ext()
     torch.manual_seed(0)
     mlp = FusedMLP(128, 512, bias1=bias1, bias2=bias2, activation=activation, heuristic=0, device="cuda",
                    dtype=torch.bfloat16)
@@ -609,7 +609,7 @@ def test_fused_mlp_gpu_without_biases(activation, bias1, bias2):
 @pytest.mark.parametrize("autocast_dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["gelu_approx", "relu"])
 def test_fused_mlp_and_dense_under_autocast(autocast_dtype, activation):
-    ext_or_skip()
+    load_ext()
     torch.manual_seed(0)
     mlp = FusedMLP(256, 1024, activation=activation, heuristic=0, device="cuda")  # fp32 parameters
     x = torch.randn(4, 129, 256, device="cuda", requires_grad=True)
@@ -640,7 +640,7 @@ def test_fused_mlp_and_dense_under_autocast(autocast_dtype, activation):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["fp32 without autocast", "relu width", "one row", "unaligned features"])
 def test_fused_mlp_gpu_fallbacks_equal_plain_mlp(case):
-    ext_or_skip()
+    load_ext()
     torch.manual_seed(0)
     dtype = torch.float32 if case == "fp32 without autocast" else torch.bfloat16
     hidden = 200 if case == "relu width" else 256
@@ -662,7 +662,7 @@ def test_fused_mlp_gpu_fallbacks_equal_plain_mlp(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["gelu_approx", "relu"])
 def test_auto_plan_gpu(monkeypatch, activation):
-    ext = ext_or_skip()
+    ext = load_ext()
     monkeypatch.setattr(fd, "_AUTO_PLANS", {})
     torch.manual_seed(0)
     mlp = FusedMLP(512, 2048, activation=activation, device="cuda", dtype=torch.bfloat16)
