@@ -57,7 +57,11 @@ def _activation(config):
 
 
 def _create_block(config, layer_idx):
-    mixer_cls = partial(MHA, num_heads=config.num_attention_heads, cross_attn=False,
+    # With last_layer_subset the last layer only computes a subset of tokens (the masked ones
+    # and CLS): a cross-attention from those to all tokens.
+    cross_attn = (getattr(config, "last_layer_subset", False)
+                  and layer_idx == config.num_hidden_layers - 1)
+    mixer_cls = partial(MHA, num_heads=config.num_attention_heads, cross_attn=cross_attn,
                         dropout=config.attention_probs_dropout_prob, causal=False,
                         fused_bias_fc=getattr(config, "fused_bias_fc", False),
                         use_flash_attn=getattr(config, "use_flash_attn", False),
@@ -93,22 +97,35 @@ class BertEncoder(nn.Module):
         self.layers = nn.ModuleList([_create_block(config, i)
                                      for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, key_padding_mask=None):
-        """hidden_states (b, s, d); key_padding_mask (b, s) bool, True = real token."""
+    def forward(self, hidden_states, key_padding_mask=None, subset_mask=None):
+        """hidden_states (b, s, d); key_padding_mask (b, s) bool, True = real token.
+        -> (b, s, d), or with subset_mask (b, s) the (n, d) rows of hidden_states[subset_mask]
+        (row-major order), the last layer computing only those."""
         if key_padding_mask is None or not self.unpad:
             mixer_kwargs = None if key_padding_mask is None else {"key_padding_mask": key_padding_mask}
             for layer in self.layers:
                 hidden_states = layer(hidden_states, mixer_kwargs=mixer_kwargs)
-            return hidden_states
+            return hidden_states if subset_mask is None else hidden_states[subset_mask]
         from flash_attn.bert_padding import pad_input, unpad_input
 
         batch, seqlen = hidden_states.shape[:2]
         hidden_states, indices, cu_seqlens, max_seqlen, _ = unpad_input(hidden_states,
                                                                         key_padding_mask)
         mixer_kwargs = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
-        for layer in self.layers:
+        if subset_mask is None:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, mixer_kwargs=mixer_kwargs)
+            return pad_input(hidden_states, indices, batch, seqlen)
+        for layer in self.layers[:-1]:
             hidden_states = layer(hidden_states, mixer_kwargs=mixer_kwargs)
-        return pad_input(hidden_states, indices, batch, seqlen)
+        # Queries: the subset's rows of the packed tokens; keys: all of them.
+        subset_rows = torch.nonzero(subset_mask[key_padding_mask], as_tuple=False).flatten()
+        subset_seqlens = (subset_mask & key_padding_mask).sum(dim=-1, dtype=torch.int32)
+        subset_cu_seqlens = F.pad(torch.cumsum(subset_seqlens, 0, dtype=torch.int32), (1, 0))
+        mixer_kwargs = {"x_kv": hidden_states, "cu_seqlens": subset_cu_seqlens,
+                        "max_seqlen": max_seqlen, "cu_seqlens_k": cu_seqlens,
+                        "max_seqlen_k": max_seqlen}
+        return self.layers[-1](hidden_states[subset_rows], mixer_kwargs=mixer_kwargs)
 
 
 class BertPooler(nn.Module):
@@ -195,9 +212,11 @@ class BertModel(BertPreTrainedModel):
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.apply(partial(_init_weights, initializer_range=config.initializer_range))
 
-    def forward(self, input_ids, position_ids=None, token_type_ids=None, attention_mask=None):
+    def forward(self, input_ids, position_ids=None, token_type_ids=None, attention_mask=None,
+                masked_tokens_mask=None):
         """-> BertModelOutput(last_hidden_state (b, s, d), pooler_output (b, d) or None).
-        Rows of padding positions are zeros on the unpadded path."""
+        Rows of padding positions are zeros on the unpadded path. With masked_tokens_mask
+        (b, s) (and last_layer_subset) last_hidden_state is only those tokens' rows (n, d)."""
         hidden_states = self.embeddings(input_ids, position_ids=position_ids,
                                         token_type_ids=token_type_ids)
         if self.layer_norm_fn is not None:
@@ -207,17 +226,30 @@ class BertModel(BertPreTrainedModel):
             hidden_states = self.emb_ln(hidden_states)
         hidden_states = self.emb_drop(hidden_states)
         key_padding_mask = attention_mask.bool() if attention_mask is not None else None
-        sequence_output = self.encoder(hidden_states, key_padding_mask=key_padding_mask)
-        pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
-        return BertModelOutput(last_hidden_state=sequence_output, pooler_output=pooled_output)
+        if masked_tokens_mask is None:
+            sequence_output = self.encoder(hidden_states, key_padding_mask=key_padding_mask)
+            pooled_output = self.pooler(sequence_output) if self.pooler is not None else None
+            return BertModelOutput(last_hidden_state=sequence_output, pooler_output=pooled_output)
+        # The last layer computes the masked tokens and the first (CLS, for the pooler) only.
+        first_col = torch.zeros_like(masked_tokens_mask)
+        first_col[:, 0] = True
+        subset_mask = masked_tokens_mask | first_col
+        subset_output = self.encoder(hidden_states, key_padding_mask=key_padding_mask,
+                                     subset_mask=subset_mask)
+        pooled_output = None
+        if self.pooler is not None:
+            pooled_output = self.pooler(subset_output[first_col[subset_mask]], pool=False)
+        return BertModelOutput(last_hidden_state=subset_output[masked_tokens_mask[subset_mask]],
+                               pooler_output=pooled_output)
 
 
 class BertForPreTraining(BertPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
-        if getattr(config, "last_layer_subset", False):
-            raise NotImplementedError("last_layer_subset is not implemented; use dense_seq_output")
         self.dense_seq_output = getattr(config, "dense_seq_output", False)
+        self.last_layer_subset = getattr(config, "last_layer_subset", False)
+        if self.last_layer_subset and not self.dense_seq_output:
+            raise ValueError("last_layer_subset needs dense_seq_output")
         self.bert = BertModel(config)
         self.cls = BertPreTrainingHeads(config)
         self.mlm_loss = nn.CrossEntropyLoss(ignore_index=0)
@@ -231,13 +263,15 @@ class BertForPreTraining(BertPreTrainedModel):
     def forward(self, input_ids, position_ids=None, token_type_ids=None, attention_mask=None,
                 labels=None, next_sentence_label=None):
         """labels (b, s): token ids to predict, 0 elsewhere; next_sentence_label (b,)."""
-        sequence_output, pooled_output = self.bert(input_ids, position_ids=position_ids,
-                                                   token_type_ids=token_type_ids,
-                                                   attention_mask=attention_mask)
+        subset = self.last_layer_subset and labels is not None
+        sequence_output, pooled_output = self.bert(
+            input_ids, position_ids=position_ids, token_type_ids=token_type_ids,
+            attention_mask=attention_mask, masked_tokens_mask=labels > 0 if subset else None)
         masked = None
         if self.dense_seq_output and labels is not None:
             masked = torch.nonzero(labels.flatten() > 0, as_tuple=False).flatten()
-            sequence_output = rearrange(sequence_output, "b s d -> (b s) d")[masked]
+            if not subset:  # otherwise the encoder already returned just these rows
+                sequence_output = rearrange(sequence_output, "b s d -> (b s) d")[masked]
         prediction_scores, seq_relationship_score = self.cls(sequence_output, pooled_output)
         loss = None
         if labels is not None and next_sentence_label is not None:
@@ -291,10 +325,16 @@ def remap_state_dict(state_dict, config):
         for pattern, repl in _RENAMES:
             key = re.sub(pattern, repl, key)
         out[key] = value
+    last = config.num_hidden_layers - 1
     for i in range(config.num_hidden_layers):
         for param in ("weight", "bias"):
-            parts = [qkv.pop((str(i), name, param)) for name in ("query", "key", "value")]
-            out[f"bert.encoder.layers.{i}.mixer.Wqkv.{param}"] = torch.cat(parts, dim=0)
+            q, k, v = [qkv.pop((str(i), name, param)) for name in ("query", "key", "value")]
+            prefix = f"bert.encoder.layers.{i}.mixer"
+            if i == last and getattr(config, "last_layer_subset", False):  # cross-attention
+                out[f"{prefix}.Wq.{param}"] = q
+                out[f"{prefix}.Wkv.{param}"] = torch.cat([k, v], dim=0)
+            else:
+                out[f"{prefix}.Wqkv.{param}"] = torch.cat([q, k, v], dim=0)
     if qkv:
         raise KeyError(f"remap_state_dict: unexpected attention keys {sorted(qkv)[:4]}")
 
@@ -327,10 +367,11 @@ def inv_remap_state_dict(state_dict, config):
     ]
     out = OrderedDict()
     for key, value in state_dict.items():
-        m = re.match(r"^bert\.encoder\.layers\.(\d+)\.mixer\.Wqkv\.(weight|bias)$", key)
+        m = re.match(r"^bert\.encoder\.layers\.(\d+)\.mixer\.(Wqkv|Wq|Wkv)\.(weight|bias)$", key)
         if m:
-            i, param = m.groups()
-            for name, part in zip(("query", "key", "value"), value.chunk(3, dim=0)):
+            i, module, param = m.groups()
+            names = {"Wqkv": ("query", "key", "value"), "Wq": ("query",), "Wkv": ("key", "value")}
+            for name, part in zip(names[module], value.chunk(len(names[module]), dim=0)):
                 out[f"bert.encoder.layer.{i}.attention.self.{name}.{param}"] = part
             continue
         for pattern, repl in renames:

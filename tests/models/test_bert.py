@@ -27,7 +27,8 @@ def _batch(seed=0):
 
 @pytest.mark.parametrize("unpad", [False, True])
 @pytest.mark.parametrize("options", [{}, {"hidden_act": "gelu_new", "pad_vocab_size_multiple": 8},
-                                     {"dense_seq_output": True}])
+                                     {"dense_seq_output": True},
+                                     {"dense_seq_output": True, "last_layer_subset": True}])
 def test_bert_for_pretraining_matches_hf(unpad, options):
     config = _bert_config(**options)
     config.unpad = unpad
@@ -75,8 +76,10 @@ def test_bert_model_matches_hf_and_unpadded_gradients():
         assert (p.grad - q.grad).abs().max().item() <= 1e-4, name
 
 
-def test_bert_inverse_remap_roundtrip():
-    config = _bert_config(pad_vocab_size_multiple=8)
+@pytest.mark.parametrize("last_layer_subset", [False, True])
+def test_bert_inverse_remap_roundtrip(last_layer_subset):
+    config = _bert_config(pad_vocab_size_multiple=8, last_layer_subset=last_layer_subset,
+                          dense_seq_output=True)
     torch.manual_seed(0)
     hf = HFBertForPreTraining(config)
     ours = BertForPreTraining(config)
