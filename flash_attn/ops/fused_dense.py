@@ -511,9 +511,9 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
                    process_group: Optional[ProcessGroup] = None, sequence_parallel: bool = True):
     """F.linear(act(F.linear(x, weight1, bias1)), weight2, bias2) with act gelu_approx (tanh),
     relu or sqrelu; with return_residual, (output, x). heuristic: -1, 0..4, "auto", or a (forward,
-    backward[, wgrad]) tuple as "auto" chooses it. With a process_group, weight1/bias1 hold this rank's hidden features and
-    weight2 its columns: x is all-gathered first (sequence_parallel) and the output is this rank's
-    partial sum, to be reduced by the caller."""
+    backward[, wgrad]) tuple as "auto" chooses it. With a process_group, weight1/bias1 hold this
+    rank's hidden features and weight2 its columns: x is all-gathered first (sequence_parallel)
+    and the output is this rank's partial sum, to be reduced by the caller."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS} (got {activation!r})")
     if checkpoint_lvl not in (0, 1, 2):
@@ -532,8 +532,6 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
             output1 = F.relu(pre_act) if activation == "relu" else sqrelu_fwd(pre_act)
         out = F.linear(output1, weight2, bias2)
         return out if not return_residual else (out, x)
-    if heuristic == "auto":
-        heuristic = -1
     return FusedMLPFunc.apply(x, weight1, bias1, weight2, bias2, activation, save_pre_act, return_residual,
                               checkpoint_lvl, heuristic, process_group, sequence_parallel)
 

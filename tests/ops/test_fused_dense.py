@@ -495,7 +495,8 @@ BAD_CALLS = {
     "wgrad d_output rows": (lambda e, x, w, b: e.linear_bias_wgrad(x, x[:5].contiguous(), True),
                             "d_output must have shape"),
     "dgrad pre_act dtype": (lambda e, x, w, b: e.bias_act_linear_dgrad_bgrad(
-        w.t().contiguous(), x, torch.zeros(16, 256, device="cuda", dtype=x.dtype), False, 0), "pre_act must have dtype"),
+        w.t().contiguous(), x, torch.zeros(16, 256, device="cuda", dtype=x.dtype), False, 0),
+        "pre_act must have dtype"),
     "dgrad d_output shape": (lambda e, x, w, b: e.bias_act_linear_dgrad_bgrad(w, x, x, True, 0),
                              "d_output must have shape"),
 }
