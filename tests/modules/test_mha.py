@@ -183,7 +183,8 @@ def _decode_all(mha, x, prefill, step, use_lengths_tensor):
     pos = prefill
     while pos < seqlen:
         if use_lengths_tensor:  # what CUDA-graph decoding does: positions as a tensor
-            params.lengths_per_sample = torch.full((batch,), pos, dtype=torch.int32)
+            params.lengths_per_sample = torch.full((batch,), pos, dtype=torch.int32,
+                                                   device=x.device)
         outs.append(mha(x[:, pos: pos + step], inference_params=params))
         pos += step
         params.seqlen_offset = pos
