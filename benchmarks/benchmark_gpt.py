@@ -202,7 +202,7 @@ def main():
         print(f"  {flag:22s} {'on ' if works else 'off'}  {note}")
     rows, series = [], {"ours": ([], []), "HF sdpa": ([], [])}
     for index, (name, sizes, batch) in enumerate(MODELS, 1):
-        results = {}
+        results, params = {}, float("nan")
         for impl, build in (("HF sdpa", lambda: build_hf(sizes)), ("ours", lambda: build_ours(sizes, paths))):
             try:
                 model, loss_of = build()
