@@ -420,8 +420,6 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     """Key-block size of the forward kernel for this head dim (see csrc/.../flash_fwd_launch.h)."""
     del device, is_causal  # the same tiles serve every sm80-class GPU and both mask modes
     assert head_dim <= MAX_HEAD_DIM, f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}"
-    if head_dim <= 32:
-        return 128
     if head_dim <= 64:
         return 64 if is_dropout else 128
     if head_dim <= 96:

@@ -24,7 +24,7 @@ template <int kHeadDim, bool Is_dropout> struct ForwardTile;
 #define FLASH_FWD_TILE(D, M, N, W, N_DROPOUT)                                                       \
     template <> struct ForwardTile<D, false> { static constexpr int kBlockM = M, kBlockN = N, kNWarps = W; }; \
     template <> struct ForwardTile<D, true> { static constexpr int kBlockM = M, kBlockN = N_DROPOUT, kNWarps = W; };
-FLASH_FWD_TILE(32, 128, 128, 4, 128)
+FLASH_FWD_TILE(32, 128, 128, 4, 64)
 FLASH_FWD_TILE(64, 128, 128, 4, 64)
 FLASH_FWD_TILE(96, 128, 64, 4, 64)
 FLASH_FWD_TILE(128, 128, 64, 4, 32)
