@@ -25,6 +25,13 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 
 cd "$REPO"
 export PYTHONUNBUFFERED=1
+# Build with the system GCC, the same major version PyTorch's wheels are built with. On the H200
+# image CXX points at /opt/gcc/bin/g++, and extensions built with it crash (SIGSEGV) whenever C++
+# throws (every TORCH_CHECK failure); the same extension built with /usr/bin/g++ raises cleanly
+# (seen 2026-11-30). GPU_CHECK_CXX overrides the choice.
+if [ -n "${GPU_CHECK_CXX:-}" ] || [ -x /usr/bin/g++ ]; then
+  export CXX=${GPU_CHECK_CXX:-/usr/bin/g++} CC=${GPU_CHECK_CC:-/usr/bin/gcc}
+fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 
 if [ -n "$WHEEL_DIR" ] && compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
