@@ -5,9 +5,12 @@ sequence with sq valid queries and sk valid keys lines up with key i + sk - sq (
 alignment), which is what causal, window_size and alibi all measure from. With padding masks,
 sq and sk are per-batch valid lengths; with key_leftpad, keys before key_leftpad[b] are invalid
 and key positions count from key_leftpad[b].
+
+Also run_distributed, which starts the ranks of every multi-process (torch.distributed) test.
 """
 
 import math
+import os
 
 import torch
 
@@ -235,3 +238,133 @@ def dropout_mask_from_S_dmask(S_dmask, seqlen_q, seqlen_k):
     """Keep-mask (b, h, s_q, s_k), True = kept, from the kernels' S_dmask
     (b, h, round128(s_q), round128(s_k)), whose negative entries mark dropped positions."""
     return S_dmask[:, :, :seqlen_q, :seqlen_k] >= 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-process tests: one launcher for every test that needs several torch.distributed ranks.
+# ----------------------------------------------------------------------------------------------
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_distributed(worker, world_size=2, backend="gloo", args=(), timeout=300, env=None):
+    """Run worker(rank, world_size, *args) on world_size fresh processes that share a process
+    group (backend over a free localhost port); return each rank's printed output (stdout and
+    stderr), rank 0 first. A rank that raises, exits non-zero or outlives timeout (seconds) fails
+    the calling test with every rank's output, the child's traceback included.
+
+    worker must be a module-level function. Each child loads worker's file by its path (not
+    pickled by module name as torch.multiprocessing.spawn would: under pytest's
+    --import-mode=importlib a test module's name is importable only when pytest runs from the
+    repository root), so `if __name__ == "__main__"` blocks there do not run. args are pickled.
+    gloo ranks run on CPU, one thread each, with TRITON_INTERPRET=1 (Triton kernels on CPU tensors
+    run only in the interpreter, also on GPU machines); nccl ranks use cuda:rank. env entries
+    override the children's environment; None removes a variable."""
+    import base64
+    import inspect
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import pytest
+
+    import flash_attn
+
+    if worker.__qualname__ != worker.__name__:
+        raise ValueError(f"worker: expected a module-level function, got {worker.__qualname__}")
+    path = inspect.getsourcefile(worker)
+    payload = base64.b64encode(pickle.dumps(tuple(args))).decode()
+    port = _free_port()
+    # The children import the same flash_attn as this process, ahead of any installed copy.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn.__file__)))
+    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [root, os.environ.get("PYTHONPATH")])))
+    if backend == "gloo":
+        child_env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    child_env["PYTHONUNBUFFERED"] = "1"  # a killed rank still leaves what it printed
+    for key, value in (env or {}).items():
+        if value is None:
+            child_env.pop(key, None)
+        else:
+            child_env[key] = value
+    boot = "from flash_attn.utils.testing import _distributed_rank; _distributed_rank()"
+    logs, procs = [], []
+    try:
+        for rank in range(world_size):
+            logs.append(tempfile.TemporaryFile(mode="w+"))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", boot, path, worker.__name__, backend, str(rank),
+                 str(world_size), str(port), payload],
+                stdout=logs[-1], stderr=subprocess.STDOUT, env=child_env, text=True))
+        deadline = time.monotonic() + timeout
+        # Poll rather than wait rank by rank: once one rank fails the others would block in a
+        # collective until gloo's own timeout (30 min), so they are stopped at once.
+        while any(p.poll() is None for p in procs):
+            failed = any(p.returncode not in (None, 0) for p in procs)
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        timed_out = any(p.poll() is None for p in procs)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for log in logs:
+            log.close()
+    if timed_out or any(p.returncode != 0 for p in procs):
+        what = f"did not finish within {timeout} s" if timed_out else "failed"
+        report = "\n".join(f"---- rank {rank} (exit code {p.returncode}) ----\n{out}"
+                           for rank, (p, out) in enumerate(zip(procs, outputs)))
+        pytest.fail(f"{worker.__name__} on {world_size} {backend} ranks {what}:\n{report}",
+                    pytrace=False)
+    return outputs
+
+
+def _distributed_rank():
+    """Child side of run_distributed: argv = path, function name, backend, rank, world size,
+    port, pickled args."""
+    import base64
+    import importlib.util
+    import pickle
+    import sys
+    import traceback
+
+    import torch.distributed as dist
+
+    path, name, backend, rank, world_size, port, payload = sys.argv[1:]
+    rank, world_size = int(rank), int(world_size)
+    try:
+        spec = importlib.util.spec_from_file_location(f"_distributed_worker_{rank}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        args = pickle.loads(base64.b64decode(payload))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)  # several ranks share the CI machine's 2 cores
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        try:
+            getattr(module, name)(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.exit(1)

@@ -2,17 +2,13 @@
 single-process losses and each its slice of the single-process gradient. gloo on CPU (the Triton
 interpreter), NCCL on two GPUs."""
 
-import socket
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flash_attn.losses.cross_entropy import CrossEntropyLoss
 from flash_attn.ops.triton.cross_entropy import cross_entropy_loss, cross_entropy_loss_ref
+from flash_attn.utils.testing import run_distributed
 
 WORLD_SIZE = 2
 # (dtype, label_smoothing, logit_scale, lse_square_scale, inplace_backward)
@@ -22,12 +18,6 @@ CASES = [
     (torch.bfloat16, 0.0, 1.0, 1e-2, True),
     (torch.float16, 0.2, 1.0, 0.0, True),
 ]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _assert_grad_close(grad, ref_fp32):
@@ -78,36 +68,19 @@ def _check_case(rank, device, dtype, smoothing, logit_scale, lse_square_scale, i
     torch.testing.assert_close(loss.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
-def _worker(rank, backend, port, n_rows, vocab):
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE)
-    try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        for case in CASES:
-            _check_case(rank, device, *case, n_rows=n_rows, vocab=vocab)
-    finally:
-        dist.destroy_process_group()
+def run_rank(rank, world, backend, n_rows, vocab):
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    for case in CASES:
+        _check_case(rank, device, *case, n_rows=n_rows, vocab=vocab)
 
 
-def _spawn(*args):
-    # The children unpickle _worker by its module name (tests.losses...): keep the repository
-    # root importable for them (spawn hands them this sys.path), after the installed packages.
-    root = str(Path(__file__).resolve().parents[2])
-    if root not in sys.path:
-        sys.path.append(root)
-    mp.spawn(_worker, args=args, nprocs=WORLD_SIZE, join=True)
-
-
-def test_vocab_parallel_gloo(monkeypatch):
-    # The gloo ranks compute on CPU tensors, which Triton runs only in its interpreter; the
-    # spawned children inherit this variable before they import triton (also on GPU machines).
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _spawn("gloo", _free_port(), 7, 2 * 150)
+def test_vocab_parallel_gloo():
+    # The gloo ranks compute on CPU tensors, which Triton runs only in its interpreter:
+    # run_distributed sets TRITON_INTERPRET=1 for them (also on GPU machines).
+    run_distributed(run_rank, WORLD_SIZE, "gloo", args=("gloo", 7, 2 * 150))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_vocab_parallel_nccl():
-    _spawn("nccl", _free_port(), 129, 2 * 25000)
+    run_distributed(run_rank, WORLD_SIZE, "nccl", args=("nccl", 129, 2 * 25000), timeout=600)

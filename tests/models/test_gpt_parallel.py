@@ -1,17 +1,13 @@
 """Tensor-parallel GPT on 2 gloo processes (CPU) against the single-process model: logits,
 gradients (sharded the same way), and greedy generation.
 
-The test starts this file as a script once per rank (pytest's importlib mode gives test modules
-names a child process could not import, so no multiprocessing.spawn).
+The ranks are started by flash_attn.utils.testing.run_distributed.
 """
-
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from flash_attn.utils.testing import run_distributed
 
 WORLD_SIZE = 2
 
@@ -27,32 +23,14 @@ def _missing_pieces():
     return None
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_gpt_tensor_parallel_matches_single_process():
     reason = _missing_pieces()
     if reason:
         pytest.skip(reason)
-    import flash_attn
-
-    port = _free_port()
-    # The children import the same flash_attn as this process, whatever is installed.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn.__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     # What is checked here is the sharding; the Triton rotary kernel is covered by the
     # single-process tests, and in the interpreter it would take most of this test's time.
-    env.pop("TRITON_INTERPRET", None)
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(WORLD_SIZE)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
+    outputs = run_distributed(run_rank, WORLD_SIZE, "gloo", env={"TRITON_INTERPRET": None})
+    for out in outputs:
         assert "ALL CHECKS PASSED" in out, out[-4000:]
 
 
@@ -90,7 +68,7 @@ class _GatherVocab(torch.autograd.Function):
 gather_vocab = _GatherVocab.apply
 
 
-def _worker(rank, port):
+def run_rank(rank, world):
     import torch.distributed as dist
     import torch.nn.functional as F
     from transformers import GPT2Config
@@ -98,8 +76,6 @@ def _worker(rank, port):
     from flash_attn.models.gpt import GPTLMHeadModel, shard_state_dict_tp
     from flash_attn.utils.distributed import allreduce_sequence_parallel_grad
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE)
     group = dist.group.WORLD
     for name, options in VARIANTS.items():
         for sequence_parallel in (True, False):
@@ -111,7 +87,7 @@ def _worker(rank, port):
             full = GPTLMHeadModel(config)
             ids = torch.randint(0, 100, (2, 12))
             tp = GPTLMHeadModel(config, process_group=group)
-            tp.load_state_dict(shard_state_dict_tp(full.state_dict(), config, WORLD_SIZE, rank))
+            tp.load_state_dict(shard_state_dict_tp(full.state_dict(), config, world, rank))
 
             logits_full = full(ids).logits
             logits_tp = gather_vocab(tp(ids).logits, group)  # training logits: vocab slices
@@ -125,7 +101,7 @@ def _worker(rank, port):
             loss_of(logits_tp).backward()
             allreduce_sequence_parallel_grad(tp, group)
             grads_full = {k: p.grad for k, p in full.named_parameters()}
-            grads_full = shard_state_dict_tp(grads_full, config, WORLD_SIZE, rank)
+            grads_full = shard_state_dict_tp(grads_full, config, world, rank)
             for key, p in tp.named_parameters():
                 err = (p.grad - grads_full[key]).abs().max().item()
                 assert err <= 1e-4, f"{name} sp={sequence_parallel}: grad of {key} differs by {err}"
@@ -136,9 +112,4 @@ def _worker(rank, port):
                 assert torch.equal(tp.generate(prompt, max_length=12),
                                    full.generate(prompt, max_length=12)), f"{name}: generate"
             print(f"rank {rank}: {name} sequence_parallel={sequence_parallel} ok", flush=True)
-    dist.destroy_process_group()
     print("ALL CHECKS PASSED", flush=True)
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]))

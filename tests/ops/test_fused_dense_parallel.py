@@ -4,22 +4,14 @@ gloo on CPU (float64, so the sharded result must match the full layer to roundin
 two GPUs (bf16 on the fused paths: within twice the error, against the full fp32 layer, of the
 same sharded computation run on plain PyTorch ops in bf16).
 
-The ranks are launched with subprocess, running this file as a script: torch.multiprocessing.spawn
-would pickle the worker by module name, which under pytest's --import-mode=importlib is importable
-in a child only when pytest runs from the repository root.
+The ranks are started by flash_attn.utils.testing.run_distributed.
 """
 
-import os
-import socket
-import subprocess
-import sys
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import flash_attn.ops.fused_dense as fd
 from flash_attn.ops.fused_dense import (
@@ -30,41 +22,20 @@ from flash_attn.ops.fused_dense import (
     RowParallelLinear,
 )
 from flash_attn.utils.distributed import get_dim_for_local_rank
+from flash_attn.utils.testing import run_distributed
 
 WORLD_SIZE = 2
 
 
-def launch(script, backend, timeout=300):
-    """Run `script backend rank world_size port` on WORLD_SIZE processes; fail with their output."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    procs = [subprocess.Popen([sys.executable, script, backend, str(rank), str(WORLD_SIZE), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for rank in range(WORLD_SIZE)]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"{script} did not finish within {timeout} s")
-    for rank, (proc, output) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{output}"
-    return outputs
-
-
 def test_parallel_layers_gloo():
-    for output in launch(__file__, "gloo"):
+    for output in run_distributed(run_rank, WORLD_SIZE, "gloo", args=("gloo",)):
         assert sum(line.startswith("ok ") for line in output.splitlines()) == len(cases()), output
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_parallel_layers_nccl():
-    for output in launch(__file__, "nccl", timeout=600):
+    for output in run_distributed(run_rank, WORLD_SIZE, "nccl", args=("nccl",), timeout=600):
         assert sum(line.startswith("ok ") for line in output.splitlines()) == len(cases()), output
 
 
@@ -220,38 +191,23 @@ def check_within_plain(name, ours, plain, ref):
         assert err <= bound, f"{name} {key}: max error {err:.3g} > {bound:.3g} (plain PyTorch: {base:.3g})"
 
 
-def main(backend, rank, world, port):
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def run_rank(rank, world, backend):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    torch.set_num_threads(1)  # two ranks on a 2-core CI machine: no oversubscription
-    try:
-        group = dist.new_group(list(range(world)))
-        start = time.perf_counter()
-        for name, kwargs in cases():
-            if backend == "gloo":
-                check_close(name, *sharded_results(group=group, rank=rank, world=world, device=device,
-                                                   dtype=torch.float64, **kwargs))
-            else:
-                ours, ref = sharded_results(group=group, rank=rank, world=world, device=device,
-                                            dtype=torch.bfloat16, **kwargs)
-                ext = fd._ext
-                fd._ext = lambda: None  # plain PyTorch ops through the same Functions
-                try:
-                    plain, _ = sharded_results(group=group, rank=rank, world=world, device=device,
-                                               dtype=torch.bfloat16, **kwargs)
-                finally:
-                    fd._ext = ext
-                check_within_plain(name, ours, plain, ref)
-            print(f"ok {name} {time.perf_counter() - start:.2f}s", flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    try:
-        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-    except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
+    group = dist.new_group(list(range(world)))
+    start = time.perf_counter()
+    for name, kwargs in cases():
+        if backend == "gloo":
+            check_close(name, *sharded_results(group=group, rank=rank, world=world, device=device,
+                                               dtype=torch.float64, **kwargs))
+        else:
+            ours, ref = sharded_results(group=group, rank=rank, world=world, device=device,
+                                        dtype=torch.bfloat16, **kwargs)
+            ext = fd._ext
+            fd._ext = lambda: None  # plain PyTorch ops through the same Functions
+            try:
+                plain, _ = sharded_results(group=group, rank=rank, world=world, device=device,
+                                           dtype=torch.bfloat16, **kwargs)
+            finally:
+                fd._ext = ext
+            check_within_plain(name, ours, plain, ref)
+        print(f"ok {name} {time.perf_counter() - start:.2f}s", flush=True)

@@ -1,17 +1,8 @@
 """flash_attn.utils.distributed on two CPU processes (gloo).
 
-The ranks are launched with subprocess, running this file as a script: torch.multiprocessing.spawn
-would pickle the worker by module name, and under pytest's --import-mode=importlib a test module's
-name is importable in a child only when pytest runs from the repository root.
+The ranks are started by flash_attn.utils.testing.run_distributed.
 """
 
-import os
-import socket
-import subprocess
-import sys
-import traceback
-
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -27,30 +18,9 @@ from flash_attn.utils.distributed import (
     reduce_scatter_raw,
     sync_shared_params,
 )
+from flash_attn.utils.testing import run_distributed
 
 WORLD_SIZE = 2
-
-
-def launch(script, backend, timeout=300):
-    """Run `script backend rank world_size port` on WORLD_SIZE processes; fail with their output."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    procs = [subprocess.Popen([sys.executable, script, backend, str(rank), str(WORLD_SIZE), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for rank in range(WORLD_SIZE)]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"{script} did not finish within {timeout} s")
-    for rank, (proc, output) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{output}"
-    return outputs
 
 
 def test_get_dim_for_local_rank():
@@ -62,7 +32,7 @@ def test_get_dim_for_local_rank():
 
 
 def test_collectives_on_two_processes():
-    outputs = launch(__file__, "gloo")
+    outputs = run_distributed(run_rank, WORLD_SIZE, "gloo")
     for output in outputs:
         assert sum(line.startswith("ok ") for line in output.splitlines()) == len(CHECKS), output
 
@@ -155,21 +125,8 @@ CHECKS = [check_raw_collectives, check_autograd_collectives, check_sync_shared_p
           check_allreduce_sequence_parallel_grad]
 
 
-def main(backend, rank, world, port):
-    torch.set_num_threads(1)  # two ranks on a 2-core CI machine: no oversubscription
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        group = dist.new_group(list(range(world)))
-        for check in CHECKS:
-            check(rank, world, group)
-            print(f"ok {check.__name__}", flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    try:
-        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-    except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
+def run_rank(rank, world):
+    group = dist.new_group(list(range(world)))
+    for check in CHECKS:
+        check(rank, world, group)
+        print(f"ok {check.__name__}", flush=True)

@@ -11,6 +11,7 @@ from flash_attn.utils.testing import (
     dropout_mask_from_S_dmask,
     generate_qkv,
     generate_random_padding_mask,
+    run_distributed,
 )
 
 
@@ -409,3 +410,40 @@ def test_reference_on_cuda_matches_cpu():
     for a, b in zip(cpu, gpu):
         assert b.is_cuda
         torch.testing.assert_close(b.cpu(), a, atol=1e-5, rtol=1e-5)
+
+
+# ---- run_distributed: the launcher of the multi-process tests ----
+
+def _rank_sum(rank, world, offset):
+    import os
+
+    import torch.distributed as dist
+
+    x = torch.tensor([float(rank + offset)])
+    dist.all_reduce(x)
+    print(f"rank {rank}/{world} sum {x.item():g} interpret {os.environ.get('TRITON_INTERPRET')} "
+          f"threads {torch.get_num_threads()}", flush=True)
+
+
+def _rank_one_fails(rank, world):
+    if rank == 1:
+        raise RuntimeError("rank one broke on purpose")
+    import torch.distributed as dist
+
+    dist.barrier()  # never met: the launcher must stop this rank instead of waiting
+
+
+def test_run_distributed_returns_each_rank_output():
+    outputs = run_distributed(_rank_sum, world_size=2, args=(10,))
+    assert [out.strip() for out in outputs] == [
+        f"rank {r}/2 sum 21 interpret 1 threads 1" for r in range(2)]
+
+
+def test_run_distributed_fails_with_the_child_traceback():
+    with pytest.raises(pytest.fail.Exception) as info:
+        run_distributed(_rank_one_fails, world_size=2, timeout=120)
+    message = str(info.value)
+    assert "rank 1 (exit code 1)" in message
+    assert "RuntimeError: rank one broke on purpose" in message and "Traceback" in message
+    with pytest.raises(ValueError, match="module-level"):
+        run_distributed(lambda rank, world: None)
