@@ -1,11 +1,14 @@
-"""What every benchmark shares: timing, the printed table, RESULTS.md and the PNG plot.
+"""What every benchmark shares: timing, bandwidth, the command line, the printed table, RESULTS.md
+and the PNG plot.
 
 Results go to benchmarks/ by default, or to $FLASH_ATTN_BENCH_OUT (the GPU check script points
 it at its log folder so that the figures travel back from the GPU machine).
 """
 
+import argparse
 import datetime
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +22,37 @@ def time_ms(fn, warmup=25, rep=100):
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def wall_ms(fn, reps=3):
+    """Mean wall-clock milliseconds of fn() over reps calls after one warm-up call: the timer of
+    the CPU --smoke runs, which check a script, not its numbers."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def gbps(nbytes, ms):
+    return nbytes / ms / 1e6
+
+
+def copy_bandwidth(src, timer=time_ms):
+    """GB/s of a device-to-device copy of src (read + write): what a memory-bound kernel is
+    measured against, in the same run."""
+    dst = torch.empty_like(src)
+    return gbps(2 * src.numel() * src.element_size(), timer(lambda: dst.copy_(src)))
+
+
+def parse_args(description, compile_option=False):
+    """The benchmarks' command line: --smoke (tiny shapes on CPU, to check the script itself) and,
+    with compile_option, --no-compile (skip the torch.compile peer)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    if compile_option:
+        parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    return parser.parse_args()
 
 
 def environment():

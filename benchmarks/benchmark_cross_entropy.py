@@ -8,29 +8,28 @@ Usage: python benchmarks/benchmark_cross_entropy.py [--smoke]   (--smoke: tiny s
 under TRITON_INTERPRET=1, to check the script itself)
 """
 
-import argparse
+import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import report, save_plot, time_ms  # noqa: E402
+from _common import (  # noqa: E402
+    copy_bandwidth,
+    gbps,
+    parse_args,
+    report,
+    save_plot,
+    time_ms,
+    wall_ms,
+)
 
 from flash_attn.losses.cross_entropy import CrossEntropyLoss  # noqa: E402
 from flash_attn.ops.triton.cross_entropy import _backward_launch, _forward_launch  # noqa: E402
 
 MEMORY_TARGET = 0.05  # inplace_backward: extra peak memory / logits bytes
-
-
-def _wall_ms(fn, reps=2):
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def _losses(compile_peer):
@@ -70,9 +69,7 @@ def run_vocab(vocab, tokens, device, timer, compile_peer):
     logits = torch.randn(tokens, vocab, device=device, generator=gen).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
     logits_bytes = logits.numel() * logits.element_size()
-    y = torch.empty_like(logits)
-    copy_gbps = 2 * logits_bytes / timer(lambda: y.copy_(logits)) / 1e6
-    del y
+    copy_gbps = copy_bandwidth(logits, timer)
     # Correctness guard: every method's gradient against the fp32 one.
     ref = _fwd_bwd(F.cross_entropy, logits.float().requires_grad_(), labels)()
     rows, results = [], {}
@@ -93,7 +90,7 @@ def run_vocab(vocab, tokens, device, timer, compile_peer):
         del x
     del ref
     # Ours moves 3 logits-sized passes (forward read, backward read + write).
-    ours_gbps = 3 * logits_bytes / results["ours"][0] / 1e6
+    ours_gbps = gbps(3 * logits_bytes, results["ours"][0])
     return rows, results, copy_gbps, ours_gbps
 
 
@@ -118,12 +115,9 @@ def run_config_sweep(vocab, tokens, device, timer):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    args = parser.parse_args()
+    args = parse_args(__doc__, compile_option=True)
     if args.smoke:
-        device, timer, tokens, vocabs = "cpu", _wall_ms, 8, (503, 1000)
+        device, timer, tokens, vocabs = "cpu", functools.partial(wall_ms, reps=2), 8, (503, 1000)
     else:
         device, timer, tokens, vocabs = "cuda", time_ms, 16384, (50257, 128256)
     compile_peer = not (args.smoke or args.no_compile)

@@ -13,10 +13,8 @@ Usage: python benchmarks/benchmark_fused_dense.py [--smoke]   (--smoke: tiny sha
 PyTorch stand-in for the extension, to check the script itself)
 """
 
-import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import report, save_plot, time_ms  # noqa: E402
+from _common import parse_args, report, save_plot, time_ms, wall_ms  # noqa: E402
 
 import flash_attn.ops.fused_dense as fd  # noqa: E402
 from flash_attn.ops.fused_dense import FusedMLP  # noqa: E402
@@ -50,14 +48,6 @@ class _StandIn:
     @staticmethod
     def linear_act_forward_num_algos(x, w, b, is_gelu, save_pre_act):
         return 2
-
-
-def _wall_ms(fn, reps=3):
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 class PlainMLP(nn.Module):
@@ -115,11 +105,9 @@ def bench_mlp(timer, tokens, d, hidden, device, dtype):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     if args.smoke:
-        device, dtype, timer, ext = "cpu", torch.float32, _wall_ms, _StandIn()
+        device, dtype, timer, ext = "cpu", torch.float32, wall_ms, _StandIn()
         models, tokens_list = {"tiny": (64, 256)}, (64, 128)
     else:
         if not torch.cuda.is_available():

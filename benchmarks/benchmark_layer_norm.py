@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from _common import report, save_plot, time_ms
+from _common import copy_bandwidth, gbps, report, save_plot, time_ms
 
 SHAPES = [(16384, 1024), (16384, 4096), (8192, 8192)]
 CASES = ("ln", "dropout_add_ln")
@@ -31,10 +31,7 @@ CHECK_SHAPE, CHECK_CASE = (16384, 4096), "dropout_add_ln"
 
 
 def copy_bandwidth_gbs():
-    src = torch.randn(128 * 1024 * 1024, device="cuda", dtype=DTYPE)  # 256 MiB
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / ms * 1e-6
+    return copy_bandwidth(torch.randn(128 * 1024 * 1024, device="cuda", dtype=DTYPE))  # 256 MiB
 
 
 def eager(case):
@@ -101,7 +98,7 @@ def measure(fn, inputs, rep=100):
 
 
 def gbs(case, M, N, ms, direction):
-    return BYTES_PER_ELT[case][direction] * M * N / ms * 1e-6
+    return gbps(BYTES_PER_ELT[case][direction] * M * N, ms)
 
 
 def sweep_cuda(copy_gbs):

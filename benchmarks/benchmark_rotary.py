@@ -7,15 +7,21 @@ Usage: python benchmarks/benchmark_rotary.py [--smoke]   (--smoke: tiny shapes o
 TRITON_INTERPRET=1, to check the script itself)
 """
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import report, save_plot, time_ms  # noqa: E402
+from _common import (  # noqa: E402
+    copy_bandwidth,
+    gbps,
+    parse_args,
+    report,
+    save_plot,
+    time_ms,
+    wall_ms,
+)
 
 from flash_attn.layers.rotary import apply_rotary_emb_torch  # noqa: E402
 from flash_attn.ops.triton.rotary import _launch, apply_rotary  # noqa: E402
@@ -23,22 +29,10 @@ from flash_attn.ops.triton.rotary import _launch, apply_rotary  # noqa: E402
 TARGET = 0.70
 
 
-def _wall_ms(fn, reps=3):
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e3
-
-
 def _inputs(batch, seqlen, heads, headdim, rotary_dim, device, dtype=torch.bfloat16):
     x = torch.randn(batch, seqlen, heads, headdim, device=device, dtype=dtype)
     angle = torch.rand(seqlen, rotary_dim // 2, device=device) * 6.28
     return x, angle.cos().to(dtype), angle.sin().to(dtype)
-
-
-def _gbps(nbytes, ms):
-    return nbytes / ms / 1e6
 
 
 def measure(batch, seqlen, heads, headdim, rotary_dim, interleaved, device, timer, compiled):
@@ -48,20 +42,19 @@ def measure(batch, seqlen, heads, headdim, rotary_dim, interleaved, device, time
     full_bytes = 2 * x.numel() * elt + table_bytes
     rotary_bytes = 2 * x.numel() // headdim * rotary_dim * elt + table_bytes
     x_inplace = x.clone()
-    y = torch.empty_like(x)
     result = {
-        "copy": _gbps(2 * x.numel() * elt, timer(lambda: y.copy_(x))),
-        "ours": _gbps(full_bytes, timer(lambda: apply_rotary(x, cos, sin,
+        "copy": copy_bandwidth(x, timer),
+        "ours": gbps(full_bytes, timer(lambda: apply_rotary(x, cos, sin,
                                                              interleaved=interleaved))),
         # Rotating the same tensor again and again keeps its norm: fine for timing.
-        "ours in place": _gbps(rotary_bytes, timer(lambda: apply_rotary(
+        "ours in place": gbps(rotary_bytes, timer(lambda: apply_rotary(
             x_inplace, cos, sin, interleaved=interleaved, inplace=True))),
-        "torch eager": _gbps(full_bytes, timer(lambda: apply_rotary_emb_torch(
+        "torch eager": gbps(full_bytes, timer(lambda: apply_rotary_emb_torch(
             x, cos, sin, interleaved))),
     }
     result["torch.compile"] = float("nan")
     if compiled is not None:
-        result["torch.compile"] = _gbps(full_bytes,
+        result["torch.compile"] = gbps(full_bytes,
                                         timer(lambda: compiled(x, cos, sin, interleaved)))
     # Correctness guard: a fast wrong kernel must not pass.
     torch.testing.assert_close(apply_rotary(x, cos, sin, interleaved=interleaved),
@@ -127,18 +120,15 @@ def run_config_sweep(shape, device, timer):
                                        block_m=block_m, block_h=block_h, num_warps=num_warps))
             config = ("default" if block_m is None
                       else f"{block_m}x{block_h}, {num_warps} warps")
-            rows.append(["GPT-J" if interleaved else "NeoX", config, _gbps(nbytes, ms)])
+            rows.append(["GPT-J" if interleaved else "NeoX", config, gbps(nbytes, ms)])
     report(f"Rotary launch configurations (b={batch} s={seqlen} h={heads} d={headdim}, bf16)",
            ["layout", "BLOCK_M x BLOCK_H, warps", "GB/s"], rows)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    args = parser.parse_args()
+    args = parse_args(__doc__, compile_option=True)
     if args.smoke:
-        device, timer, shape, seqlens = "cpu", _wall_ms, (1, 8, 2, 16), (8, 16)
+        device, timer, shape, seqlens = "cpu", wall_ms, (1, 8, 2, 16), (8, 16)
     else:
         device, timer, shape = "cuda", time_ms, (8, 2048, 32, 128)
         seqlens = (1024, 2048, 4096, 8192)
