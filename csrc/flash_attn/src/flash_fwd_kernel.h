@@ -36,31 +36,45 @@ __device__ __forceinline__ int64_t kv_block_offset(const AttentionParams &params
     return int64_t(page) * batch_stride + int64_t(row % params.page_block_size) * row_stride;
 }
 
+// Index of (batch, head, row) in softmax_lse: (heads, total_q) for varlen inputs, else
+// (batch, heads, seqlen_q).
+__device__ __forceinline__ int64_t lse_index(const AttentionParams &params, const SequenceInfo &seq,
+                                             int bidb, int bidh, int row) {
+    return seq.q_start >= 0 ? int64_t(bidh) * params.total_q + seq.q_start + row
+                            : (int64_t(bidb) * params.heads + bidh) * params.seqlen_q + row;
+}
+
+// Writes this thread's part of an O tile (registers, laid out like gO's partition) to global
+// memory: rows below rows_valid, columns below the head dim.
+template <typename Traits, typename TensorR, typename TensorG>
+__device__ __forceinline__ void store_o_tile(const AttentionParams &params, TensorR const &tOrO, TensorG &tOgO,
+                                             int rows_valid) {
+    constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+    typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
+    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(threadIdx.x);
+    Tensor tOcO = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
+    CUTE_UNROLL
+    for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.head_dim; }
+    const bool full = params.head_dim == kHeadDim && rows_valid >= kBlockM;
+    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, rows_valid, full);
+}
+
 // Rows of Q/O this CTA owns that get no key at all (causal/window with seqlen_q > seqlen_k, or
 // an empty key sequence): output 0, lse +inf.
 template <typename Traits, typename TensorGO>
 __device__ void write_empty_rows(const AttentionParams &params, const SequenceInfo &seq, TensorGO &gO,
                                  int m_block, int bidb, int bidh) {
     using Element = typename Traits::Element;
-    constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-    const int tidx = threadIdx.x;
+    constexpr int kBlockM = Traits::kBlockM;
     typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
-    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
-    Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
+    Tensor tOgO = gmem_tiled_copy_O.get_thread_slice(threadIdx.x).partition_D(gO);
     Tensor tOrO = make_tensor<Element>(shape(tOgO));
     clear(tOrO);
-    Tensor tOcO = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
-    CUTE_UNROLL
-    for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.head_dim; }
-    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, seq.seqlen_q - m_block * kBlockM, false);
-    for (int r = tidx; r < kBlockM; r += Traits::kNThreads) {
+    store_o_tile<Traits>(params, tOrO, tOgO, seq.seqlen_q - m_block * kBlockM);
+    for (int r = threadIdx.x; r < kBlockM; r += Traits::kNThreads) {
         const int row = m_block * kBlockM + r;
-        if (row < seq.seqlen_q) {
-            const int64_t idx = seq.q_start >= 0 ? int64_t(bidh) * params.total_q + seq.q_start + row
-                                                 : (int64_t(bidb) * params.heads + bidh) * params.seqlen_q + row;
-            params.softmax_lse_ptr[idx] = INFINITY;
-        }
+        if (row < seq.seqlen_q) { params.softmax_lse_ptr[lse_index(params, seq, bidb, bidh, row)] = INFINITY; }
     }
 }
 
@@ -289,12 +303,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         for (int r = 0; r < kRows; ++r) {
             // Row r of acc_as_rowcol is (i = r % 2, mi = r / 2).
             const int abs_row = row0 + (r / 2) * kRowStride + (r % 2) * 8;
-            if (abs_row < seq.seqlen_q) {
-                const int64_t idx = seq.q_start >= 0
-                    ? int64_t(bidh) * params.total_q + seq.q_start + abs_row
-                    : (int64_t(bidb) * params.heads + bidh) * params.seqlen_q + abs_row;
-                params.softmax_lse_ptr[idx] = lse[r];
-            }
+            if (abs_row < seq.seqlen_q) { params.softmax_lse_ptr[lse_index(params, seq, bidb, bidh, abs_row)] = lse[r]; }
         }
     }
 
@@ -305,11 +314,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
     Tensor tOrO = make_tensor<Element>(shape(tOgO));
     cute::copy(gmem_tiled_copy_O, tOsO, tOrO);
-    Tensor tOcO = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
-    CUTE_UNROLL
-    for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.head_dim; }
-    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, q_rows, even_k && q_rows >= kBlockM);
+    store_o_tile<Traits>(params, tOrO, tOgO, q_rows);
 }
 
 }  // namespace flash
