@@ -122,15 +122,27 @@ def _pad_varlen(x, cu_seqlens, max_seqlen):
     return padded, valid
 
 
-class SelfAttention(nn.Module):
-    """Reference self-attention. qkv (b, s, 3, h, d), or (total, 3, h, d) with cu_seqlens."""
+class _InnerAttention(nn.Module):
+    """The settings shared by the inner attention modules, reference and flash alike."""
 
     def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0,
                  window_size=(-1, -1), alibi_slopes=None, deterministic=False):
         super().__init__()
         self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
         self.drop = nn.Dropout(attention_dropout)
+        self.deterministic = deterministic
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+
+    def _kwargs(self, causal):
+        """Keyword arguments of one attention call; causal=None keeps the module's setting."""
+        return dict(causal=self.causal if causal is None else causal,
+                    softmax_scale=self.softmax_scale,
+                    dropout_p=self.drop.p if self.training else 0.0,
+                    window_size=self.window_size, alibi_slopes=self.alibi_slopes)
+
+
+class SelfAttention(_InnerAttention):
+    """Reference self-attention. qkv (b, s, 3, h, d), or (total, 3, h, d) with cu_seqlens."""
 
     def forward(self, qkv, causal=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None):
         """key_padding_mask (b, s) bool, True = real token; queries share it, so the causal
@@ -140,15 +152,8 @@ class SelfAttention(nn.Module):
                                cu_seqlens, max_seqlen, query_padding_mask=key_padding_mask)
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_InnerAttention):
     """Reference attention of q (b, s_q, h, d) to kv (b, s_k, 2, h_k, d) (or packed varlen)."""
-
-    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0,
-                 window_size=(-1, -1), alibi_slopes=None, deterministic=False):
-        super().__init__()
-        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
-        self.drop = nn.Dropout(attention_dropout)
-        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
 
     def forward(self, q, kv, causal=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
                 cu_seqlens_k=None, max_seqlen_k=None, query_padding_mask=None):
@@ -161,10 +166,7 @@ class CrossAttention(nn.Module):
 
 def _reference_call(module, q, k, v, causal, key_padding_mask, cu_seqlens_q, max_seqlen_q,
                     cu_seqlens_k, max_seqlen_k, query_padding_mask=None):
-    causal = module.causal if causal is None else causal
-    kwargs = dict(causal=causal, softmax_scale=module.softmax_scale,
-                  dropout_p=module.drop.p if module.training else 0.0,
-                  window_size=module.window_size, alibi_slopes=module.alibi_slopes)
+    kwargs = module._kwargs(causal)
     if cu_seqlens_q is None:
         query_lengths = query_padding_mask.sum(-1) if query_padding_mask is not None else None
         return attention_reference(q, k, v, key_padding_mask=key_padding_mask,
@@ -188,46 +190,30 @@ def _fp32(alibi_slopes):
     return alibi_slopes.float() if alibi_slopes is not None else None
 
 
-class FlashSelfAttention(nn.Module):
+class _FlashInnerAttention(_InnerAttention):
+    """The kernels' call also takes deterministic (for the backward) and fp32 slopes."""
+
+    def _kwargs(self, causal):
+        return dict(super()._kwargs(causal), alibi_slopes=_fp32(self.alibi_slopes),
+                    deterministic=self.deterministic)
+
+
+class FlashSelfAttention(_FlashInnerAttention):
     """qkv (b, s, 3, h, d), or (total, 3, h, d) with cu_seqlens (b+1,) int32 and max_seqlen."""
 
-    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0,
-                 window_size=(-1, -1), alibi_slopes=None, deterministic=False):
-        super().__init__()
-        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
-        self.drop = nn.Dropout(attention_dropout)
-        self.deterministic = deterministic
-        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
-
     def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None):
-        kwargs = dict(dropout_p=self.drop.p if self.training else 0.0,
-                      softmax_scale=self.softmax_scale,
-                      causal=self.causal if causal is None else causal,
-                      window_size=self.window_size, alibi_slopes=_fp32(self.alibi_slopes),
-                      deterministic=self.deterministic)
+        kwargs = self._kwargs(causal)
         if cu_seqlens is None:
             return fai.flash_attn_qkvpacked_func(qkv, **kwargs)
         return fai.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **kwargs)
 
 
-class FlashCrossAttention(nn.Module):
+class FlashCrossAttention(_FlashInnerAttention):
     """q (b, s_q, h, d), kv (b, s_k, 2, h_k, d); or packed (total, ...) with cu_seqlens(_k)."""
-
-    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0,
-                 window_size=(-1, -1), alibi_slopes=None, deterministic=False):
-        super().__init__()
-        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
-        self.drop = nn.Dropout(attention_dropout)
-        self.deterministic = deterministic
-        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
 
     def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None,
                 max_seqlen_k=None):
-        kwargs = dict(dropout_p=self.drop.p if self.training else 0.0,
-                      softmax_scale=self.softmax_scale,
-                      causal=self.causal if causal is None else causal,
-                      window_size=self.window_size, alibi_slopes=_fp32(self.alibi_slopes),
-                      deterministic=self.deterministic)
+        kwargs = self._kwargs(causal)
         if cu_seqlens is None:
             return fai.flash_attn_kvpacked_func(q, kv, **kwargs)
         return fai.flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen,
@@ -367,10 +353,8 @@ class MHA(nn.Module):
         if rotary_emb_dim > 0:
             if cross_attn:
                 raise ValueError("MHA: rotary embeddings are not supported with cross_attn")
-            rotary_cls, self.rotary_path = rotary_embedding_cls()
-            self.rotary_emb = rotary_cls(rotary_emb_dim, base=rotary_emb_base,
-                                         scale_base=rotary_emb_scale_base,
-                                         interleaved=rotary_emb_interleaved, device=device)
+            self._init_rotary(rotary_emb_dim, rotary_emb_base, rotary_emb_scale_base,
+                              rotary_emb_interleaved, device)
 
         linear_cls, linear_resid_cls = dense_classes(fused_bias_fc)
         in_proj_cls = linear_resid_cls if return_residual else linear_cls
@@ -386,11 +370,21 @@ class MHA(nn.Module):
             else:
                 self.dwconv_qkv = nn.Conv1d(qkv_dim, qkv_dim, 3, padding=2, groups=qkv_dim, **factory)
 
-        attn_kwargs = dict(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout,
-                           window_size=window_size, alibi_slopes=alibi_slopes)
-        self.inner_attn = (FlashSelfAttention if use_flash_attn else SelfAttention)(**attn_kwargs)
-        self.inner_cross_attn = (FlashCrossAttention if use_flash_attn else CrossAttention)(**attn_kwargs)
+        self._init_inner_attention(use_flash_attn, causal, softmax_scale, dropout, window_size,
+                                   alibi_slopes)
         self.out_proj = linear_cls(embed_dim, embed_dim, bias=out_proj_bias, **factory)
+
+    def _init_rotary(self, dim, base, scale_base, interleaved, device):
+        rotary_cls, self.rotary_path = rotary_embedding_cls()
+        self.rotary_emb = rotary_cls(dim, base=base, scale_base=scale_base,
+                                     interleaved=interleaved, device=device)
+
+    def _init_inner_attention(self, use_flash_attn, causal, softmax_scale, dropout, window_size,
+                              alibi_slopes):
+        kwargs = dict(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout,
+                      window_size=window_size, alibi_slopes=alibi_slopes)
+        self.inner_attn = (FlashSelfAttention if use_flash_attn else SelfAttention)(**kwargs)
+        self.inner_cross_attn = (FlashCrossAttention if use_flash_attn else CrossAttention)(**kwargs)
 
     def extra_repr(self):
         rotary = f", rotary={self.rotary_path}" if self.rotary_emb_dim > 0 else ""
@@ -462,19 +456,26 @@ class MHA(nn.Module):
                 qkv, residual = qkv
             if self.dwconv:
                 qkv = _causal_dwconv(self.dwconv_qkv, qkv)
-            if self.num_heads_kv == self.num_heads:
-                return qkv.unflatten(-1, (3, self.num_heads, self.head_dim)), None, residual
-            q, kv = _split_q_kv(qkv, self.num_heads * self.head_dim)
-        else:
-            q = self.Wq(x if mixer_subset is None else x[:, mixer_subset])
-            if self.return_residual:
-                q, residual = q
-            kv = self.Wkv(x_kv if x_kv is not None else x)
-            if self.dwconv:
-                q, kv = _causal_dwconv(self.dwconv_q, q), _causal_dwconv(self.dwconv_kv, kv)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        kv = kv.unflatten(-1, (2, self.num_heads_kv, self.head_dim))
-        return q, kv, residual
+            return (*self._unpack_qkv(qkv), residual)
+        q = self.Wq(x if mixer_subset is None else x[:, mixer_subset])
+        if self.return_residual:
+            q, residual = q
+        kv = self.Wkv(x_kv if x_kv is not None else x)
+        if self.dwconv:
+            q, kv = _causal_dwconv(self.dwconv_q, q), _causal_dwconv(self.dwconv_kv, kv)
+        return (*self._heads(q, kv), residual)
+
+    def _heads(self, q, kv):
+        """(..., h * d), (..., 2 * h_k * d) -> q (..., h, d), kv (..., 2, h_k, d)."""
+        return (q.unflatten(-1, (self.num_heads, self.head_dim)),
+                kv.unflatten(-1, (2, self.num_heads_kv, self.head_dim)))
+
+    def _unpack_qkv(self, qkv):
+        """The packed in-projection (..., (h + 2 h_k) d) -> (qkv (..., 3, h, d), None) when the
+        heads match, else (q, kv) as _heads gives them."""
+        if self.num_heads_kv == self.num_heads:
+            return qkv.unflatten(-1, (3, self.num_heads, self.head_dim)), None
+        return self._heads(*_split_q_kv(qkv, self.num_heads * self.head_dim))
 
     def _apply_rotary(self, q_or_qkv, kv, inference_params):
         if inference_params is None:
@@ -527,6 +528,15 @@ class MHA(nn.Module):
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **varlen)
         return fn(*args, **varlen)
 
+    def _context(self, q_or_qkv, kv, inference_params, *attend_args):
+        """Rotary embeddings, then attention: over the kv cache with inference_params, else
+        _attend(q_or_qkv, kv, *attend_args)."""
+        if self.rotary_emb_dim > 0:
+            q_or_qkv, kv = self._apply_rotary(q_or_qkv, kv, inference_params)
+        if inference_params is None:
+            return self._attend(q_or_qkv, kv, *attend_args)
+        return self._attend_in_inference(q_or_qkv, kv, inference_params)
+
     def _attend_in_inference(self, q_or_qkv, kv, inference_params):
         if kv is None:
             q_or_qkv, kv = q_or_qkv[..., 0, :, :], q_or_qkv[..., 1:, :, :]
@@ -548,13 +558,8 @@ class MHA(nn.Module):
             raise ValueError("MHA: inference_params cannot be combined with cu_seqlens, "
                              "key_padding_mask or dwconv")
         q_or_qkv, kv, residual = self._project(x, x_kv, mixer_subset)
-        if self.rotary_emb_dim > 0:
-            q_or_qkv, kv = self._apply_rotary(q_or_qkv, kv, inference_params)
-        if inference_params is None:
-            context = self._attend(q_or_qkv, kv, key_padding_mask, cu_seqlens, max_seqlen,
-                                   kwargs.get("cu_seqlens_k"), kwargs.get("max_seqlen_k"))
-        else:
-            context = self._attend_in_inference(q_or_qkv, kv, inference_params)
+        context = self._context(q_or_qkv, kv, inference_params, key_padding_mask, cu_seqlens,
+                                max_seqlen, kwargs.get("cu_seqlens_k"), kwargs.get("max_seqlen_k"))
         out = self.out_proj(context.flatten(-2))
         return out if not self.return_residual else (out, residual)
 
@@ -617,19 +622,15 @@ class ParallelMHA(MHA):
             alibi_slopes = torch.tensor(get_alibi_slopes(num_heads)[first: first + self.num_heads],
                                         device=device)
         if rotary_emb_dim > 0:
-            rotary_cls, self.rotary_path = rotary_embedding_cls()
-            self.rotary_emb = rotary_cls(rotary_emb_dim, base=rotary_emb_base,
-                                         scale_base=rotary_emb_scale_base,
-                                         interleaved=rotary_emb_interleaved, device=device)
+            self._init_rotary(rotary_emb_dim, rotary_emb_base, rotary_emb_scale_base,
+                              rotary_emb_interleaved, device)
         group_size = num_heads // num_heads_kv
         qkv_dim = self.head_dim * (num_heads + 2 * num_heads_kv)
         self.Wqkv = ColumnParallelLinear(embed_dim, qkv_dim, process_group, bias=qkv_proj_bias,
                                          sequence_parallel=sequence_parallel,
                                          multiple_of=self.head_dim * (group_size + 2), **factory)
-        attn_kwargs = dict(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout,
-                           window_size=window_size, alibi_slopes=alibi_slopes)
-        self.inner_attn = (FlashSelfAttention if use_flash_attn else SelfAttention)(**attn_kwargs)
-        self.inner_cross_attn = (FlashCrossAttention if use_flash_attn else CrossAttention)(**attn_kwargs)
+        self._init_inner_attention(use_flash_attn, causal, softmax_scale, dropout, window_size,
+                                   alibi_slopes)
         self.out_proj = RowParallelLinear(embed_dim, embed_dim, process_group, bias=out_proj_bias,
                                           sequence_parallel=sequence_parallel,
                                           multiple_of=self.head_dim, **factory)
@@ -638,19 +639,7 @@ class ParallelMHA(MHA):
         qkv = self.Wqkv(x)
         if seqlen is not None:  # rows were (batch * seqlen): restore the sequence axis
             qkv = rearrange(qkv, "(b s) d -> b s d", s=seqlen)
-        if self.num_heads_kv == self.num_heads:
-            q_or_qkv, kv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)), None
-        else:
-            q, kv = _split_q_kv(qkv, self.num_heads * self.head_dim)
-            q_or_qkv = q.unflatten(-1, (self.num_heads, self.head_dim))
-            kv = kv.unflatten(-1, (2, self.num_heads_kv, self.head_dim))
-        if self.rotary_emb_dim > 0:
-            q_or_qkv, kv = self._apply_rotary(q_or_qkv, kv, inference_params)
-        if inference_params is None:
-            context = self._attend(q_or_qkv, kv)
-        else:
-            context = self._attend_in_inference(q_or_qkv, kv, inference_params)
-        context = context.flatten(-2)
+        context = self._context(*self._unpack_qkv(qkv), inference_params).flatten(-2)
         if seqlen is not None:
             context = rearrange(context, "b s d -> (b s) d")
         return self.out_proj(context)
