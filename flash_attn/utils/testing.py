@@ -6,7 +6,8 @@ alignment), which is what causal, window_size and alibi all measure from. With p
 sq and sk are per-batch valid lengths; with key_leftpad, keys before key_leftpad[b] are invalid
 and key positions count from key_leftpad[b].
 
-Also run_distributed, which starts the ranks of every multi-process (torch.distributed) test.
+Also what kernel tests share beyond attention: the Triton interpreter's bfloat16 slack, rotary
+tables, and run_distributed, which starts the ranks of every multi-process test.
 """
 
 import math
@@ -240,6 +241,21 @@ def dropout_mask_from_S_dmask(S_dmask, seqlen_q, seqlen_k):
     return S_dmask[:, :, :seqlen_q, :seqlen_k] >= 0
 
 
+def triton_interpreter_slack(dtype, ref):
+    """Extra absolute error allowed to a Triton kernel run on CPU tensors: the interpreter rounds
+    float32 -> bfloat16 toward zero where the GPU rounds to nearest, which can cost one more
+    bfloat16 ulp (<= |value| * 2^-7). GPU runs get no such slack."""
+    if ref.device.type == "cpu" and dtype == torch.bfloat16:
+        return ref.abs().max().item() * 2.0**-7
+    return 0.0
+
+
+def rotary_tables(seqlen_ro, rotary_dim, device, dtype=torch.float32):
+    """Rotary cos, sin (seqlen_ro, rotary_dim / 2) of random angles in [0, 2 pi)."""
+    angle = torch.rand(seqlen_ro, rotary_dim // 2, device=device) * 2 * math.pi
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Multi-process tests: one launcher for every test that needs several torch.distributed ranks.
 # ----------------------------------------------------------------------------------------------
@@ -304,15 +320,18 @@ def run_distributed(worker, world_size=2, backend="gloo", args=(), timeout=300, 
                 [sys.executable, "-c", boot, path, worker.__name__, backend, str(rank),
                  str(world_size), str(port), payload],
                 stdout=logs[-1], stderr=subprocess.STDOUT, env=child_env, text=True))
-        deadline = time.monotonic() + timeout
-        # Poll rather than wait rank by rank: once one rank fails the others would block in a
-        # collective until gloo's own timeout (30 min), so they are stopped at once.
+        deadline, stop_at = time.monotonic() + timeout, None
+        # Poll rather than wait rank by rank: once one rank fails, the others may block in a
+        # collective until gloo's own timeout (30 min). They get a few seconds to fail by
+        # themselves (a closed connection, with their own traceback), then they are stopped.
         while any(p.poll() is None for p in procs):
-            failed = any(p.returncode not in (None, 0) for p in procs)
-            if failed or time.monotonic() > deadline:
+            now = time.monotonic()
+            if stop_at is None and any(p.returncode not in (None, 0) for p in procs):
+                stop_at = now + 5.0
+            if now > deadline or (stop_at is not None and now > stop_at):
                 break
             time.sleep(0.05)
-        timed_out = any(p.poll() is None for p in procs)
+        timed_out = stop_at is None and any(p.poll() is None for p in procs)
         for p in procs:
             if p.poll() is None:
                 p.kill()

@@ -1,8 +1,6 @@
 """flash_attn.layers.rotary: autograd functions, packed in-place forms and RotaryEmbedding against
 plain-PyTorch references (outputs and gradients)."""
 
-import math
-
 import pytest
 import torch
 
@@ -14,28 +12,17 @@ from flash_attn.layers.rotary import (
     apply_rotary_emb_torch,
 )
 from flash_attn.ops.triton.rotary import apply_rotary_ref
+from flash_attn.utils.testing import rotary_tables, triton_interpreter_slack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _tables(seqlen_ro, rotary_dim, dtype=torch.float32, device=DEVICE):
-    angle = torch.rand(seqlen_ro, rotary_dim // 2, device=device) * 2 * math.pi
-    return angle.cos().to(dtype), angle.sin().to(dtype)
-
-
-def _interpreter_slack(dtype, ref):
-    # The Triton interpreter rounds float32 -> bfloat16 toward zero where the GPU rounds to
-    # nearest, which can cost one more bfloat16 ulp (<= |value| * 2^-7) on CPU.
-    if ref.device.type == "cpu" and dtype == torch.bfloat16:
-        return ref.abs().max().item() * 2.0**-7
-    return 0.0
 
 
 def _assert_close_to_ref(ours, ref_fp32, ref_lowp):
     """ours vs the fp32 reference: at most 2x the error of the reference run in ours' dtype."""
     err = (ours.float() - ref_fp32).abs().max().item()
     err_lowp = (ref_lowp.float() - ref_fp32).abs().max().item()
-    assert err <= 2 * err_lowp + 1e-5 + _interpreter_slack(ours.dtype, ref_fp32), (err, err_lowp)
+    slack = triton_interpreter_slack(ours.dtype, ref_fp32)
+    assert err <= 2 * err_lowp + 1e-5 + slack, (err, err_lowp)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,7 +34,7 @@ def test_apply_rotary_emb_forward_backward(dtype, interleaved, rotary_dim, inpla
     torch.manual_seed(0)
     b, s, h, d = 2, 9, 3, 32
     x = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
-    cos, sin = _tables(s + 6, rotary_dim, dtype)
+    cos, sin = rotary_tables(s + 6, rotary_dim, DEVICE, dtype)
     offsets = {"zero": 0, "int": 4,
                "tensor": torch.tensor([5, 1], device=DEVICE, dtype=torch.int32)}[offsets_kind]
     g = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype)
@@ -75,7 +62,7 @@ def test_reference_functions_agree(interleaved):
     # apply_rotary_emb_torch (flash-attn's reference) and apply_rotary_ref (with offsets/varlen).
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 16, device=DEVICE)
-    cos, sin = _tables(7, 12)
+    cos, sin = rotary_tables(7, 12, DEVICE)
     torch.testing.assert_close(apply_rotary_emb_torch(x, cos, sin, interleaved),
                                apply_rotary_ref(x, cos, sin, interleaved=interleaved))
     torch.testing.assert_close(apply_rotary_emb(x, cos, sin, interleaved),
@@ -86,7 +73,7 @@ def test_apply_rotary_emb_varlen_backward():
     torch.manual_seed(0)
     cu_seqlens = torch.tensor([0, 3, 10, 11], dtype=torch.int32, device=DEVICE)
     x = torch.randn(11, 2, 16, device=DEVICE, requires_grad=True)
-    cos, sin = _tables(8, 16)
+    cos, sin = rotary_tables(8, 16, DEVICE)
     offsets = torch.tensor([0, 1, 6], device=DEVICE)
     g = torch.randn_like(x)
     apply_rotary_emb(x, cos, sin, seqlen_offsets=offsets, cu_seqlens=cu_seqlens,
@@ -128,8 +115,8 @@ def test_apply_rotary_emb_qkv_(layout, separate_k_tables, interleaved, offsets_k
         num_heads_q = 4  # with 1 k/v head: (b, s, 4 + 2 * 1, d)
         base = torch.randn(b, s, num_heads_q + 2, d, device=DEVICE, requires_grad=True)
         make = lambda t: t * 1.0  # noqa: E731
-    cos, sin = _tables(s + 3, rotary_dim)
-    cos_k, sin_k = _tables(s + 3, rotary_dim) if separate_k_tables else (None, None)
+    cos, sin = rotary_tables(s + 3, rotary_dim, DEVICE)
+    cos_k, sin_k = rotary_tables(s + 3, rotary_dim, DEVICE) if separate_k_tables else (None, None)
     offsets = 3 if offsets_kind == "int" else torch.tensor([0, 2], device=DEVICE)
     g = torch.randn_like(make(base.detach()))
 
@@ -151,7 +138,7 @@ def test_apply_rotary_emb_qkv_(layout, separate_k_tables, interleaved, offsets_k
 def test_apply_rotary_emb_kv_(interleaved):
     torch.manual_seed(0)
     base = torch.randn(2, 5, 2, 3, 16, device=DEVICE, requires_grad=True)
-    cos, sin = _tables(8, 16)
+    cos, sin = rotary_tables(8, 16, DEVICE)
     offsets = torch.tensor([1, 3], device=DEVICE)
     g = torch.randn_like(base)
     kv = base * 1.0
@@ -173,7 +160,7 @@ def test_backward_leaves_shared_gradient_untouched():
     torch.manual_seed(0)
     base = torch.randn(1, 4, 3, 2, 8, device=DEVICE, requires_grad=True)
     w = torch.randn(1, 4, 3, 2, 8, device=DEVICE, requires_grad=True)
-    cos, sin = _tables(4, 8)
+    cos, sin = rotary_tables(4, 8, DEVICE)
     g = torch.randn_like(base)
     (apply_rotary_emb_qkv_(base * 1.0, cos, sin) + w).backward(g)
     torch.testing.assert_close(w.grad, g, rtol=0, atol=0)

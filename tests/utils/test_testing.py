@@ -443,7 +443,7 @@ def test_run_distributed_fails_with_the_child_traceback():
     with pytest.raises(pytest.fail.Exception) as info:
         run_distributed(_rank_one_fails, world_size=2, timeout=120)
     message = str(info.value)
-    assert "rank 1 (exit code 1)" in message
+    assert "_rank_one_fails on 2 gloo ranks failed" in message
     assert "RuntimeError: rank one broke on purpose" in message and "Traceback" in message
     with pytest.raises(ValueError, match="module-level"):
         run_distributed(lambda rank, world: None)

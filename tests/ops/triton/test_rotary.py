@@ -1,29 +1,14 @@
 """apply_rotary (Triton) against the plain-PyTorch apply_rotary_ref: small shapes on CPU (the
 Triton interpreter), the full grid on the GPU."""
 
-import math
-
 import pytest
 import torch
 
 from flash_attn.ops.triton.rotary import apply_rotary, apply_rotary_ref
+from flash_attn.utils.testing import rotary_tables, triton_interpreter_slack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _tables(seqlen_ro, rotary_dim, device, dtype=torch.float32):
-    angle = torch.rand(seqlen_ro, rotary_dim // 2, device=device) * 2 * math.pi
-    return angle.cos().to(dtype), angle.sin().to(dtype)
-
-
-def _interpreter_slack(dtype, ref):
-    # The Triton interpreter rounds float32 -> bfloat16 toward zero where the GPU rounds to
-    # nearest (its docs: bfloat16 is not supported there), which can cost one more bfloat16 ulp
-    # (<= |value| * 2^-7) on CPU. GPU runs get no such slack.
-    if ref.device.type == "cpu" and dtype == torch.bfloat16:
-        return ref.abs().max().item() * 2.0**-7
-    return 0.0
 
 
 def _assert_within_dtype_error(out, x, cos, sin, **kwargs):
@@ -34,7 +19,7 @@ def _assert_within_dtype_error(out, x, cos, sin, **kwargs):
     assert not out.isnan().any()
     err = (out.float() - ref).abs().max().item()
     err_lowp = (ref_lowp.float() - ref).abs().max().item()
-    assert err <= 2 * err_lowp + 1e-5 + _interpreter_slack(x.dtype, ref), (err, err_lowp)
+    assert err <= 2 * err_lowp + 1e-5 + triton_interpreter_slack(x.dtype, ref), (err, err_lowp)
 
 
 def _offsets(kind, batch, device):
@@ -49,7 +34,7 @@ def _check_apply_rotary(dtype, interleaved, rotary_dim, headdim, offsets_kind, i
                         seqlen, nheads, device):
     torch.manual_seed(0)
     x = torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype)
-    cos, sin = _tables(seqlen + 8, rotary_dim, device, dtype)
+    cos, sin = rotary_tables(seqlen + 8, rotary_dim, device, dtype)
     offsets = _offsets(offsets_kind, batch, device)
     x_in = x.clone()
     out = apply_rotary(x_in, cos, sin, seqlen_offsets=offsets, interleaved=interleaved,
@@ -96,7 +81,7 @@ def test_apply_rotary_matches_complex_multiplication(interleaved):
 def test_conjugate_inverts(interleaved):
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 16, device=DEVICE)
-    cos, sin = _tables(9, 12, DEVICE)
+    cos, sin = rotary_tables(9, 12, DEVICE)
     y = apply_rotary(x, cos, sin, seqlen_offsets=2, interleaved=interleaved)
     back = apply_rotary(y, cos, sin, seqlen_offsets=2, interleaved=interleaved, conjugate=True)
     torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
@@ -111,7 +96,7 @@ def test_apply_rotary_varlen(dtype, interleaved, offsets_kind):
     lengths = [5, 0, 11, 3]
     cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
     x = torch.randn(sum(lengths), 3, 24, device=DEVICE, dtype=dtype)
-    cos, sin = _tables(16, 16, DEVICE, dtype)
+    cos, sin = rotary_tables(16, 16, DEVICE, dtype)
     offsets = _offsets(offsets_kind, len(lengths), DEVICE)
     out = apply_rotary(x, cos, sin, seqlen_offsets=offsets, cu_seqlens=cu_seqlens,
                        max_seqlen=max(lengths), interleaved=interleaved)
@@ -125,7 +110,7 @@ def test_varlen_matches_padded_batch():
     x = torch.randn(2, 9, 2, 16, device=DEVICE)
     packed = torch.cat([x[0, :4], x[1, :9]])
     cu_seqlens = torch.tensor([0, 4, 13], dtype=torch.int32, device=DEVICE)
-    cos, sin = _tables(12, 16, DEVICE)
+    cos, sin = rotary_tables(12, 16, DEVICE)
     offsets = torch.tensor([2, 3], device=DEVICE)
     padded = apply_rotary(x, cos, sin, seqlen_offsets=offsets)
     varlen = apply_rotary(packed, cos, sin, seqlen_offsets=offsets, cu_seqlens=cu_seqlens,
@@ -136,7 +121,7 @@ def test_varlen_matches_padded_batch():
 def test_every_output_element_is_written():
     torch.manual_seed(0)
     x = torch.randn(2, 11, 5, 40, device=DEVICE)
-    cos, sin = _tables(11, 24, DEVICE)
+    cos, sin = rotary_tables(11, 24, DEVICE)
     out = torch.full_like(x, float("nan"))
     apply_rotary(x, cos, sin, out=out)
     assert not out.isnan().any()
@@ -145,7 +130,7 @@ def test_every_output_element_is_written():
 def test_positions_past_the_table_are_not_rotated():
     # flash-attn's rule: a position without a cos/sin row rotates by 0.
     x = torch.randn(2, 4, 1, 8, device=DEVICE)
-    cos, sin = _tables(6, 8, DEVICE)
+    cos, sin = rotary_tables(6, 8, DEVICE)
     out = apply_rotary(x, cos, sin, seqlen_offsets=torch.tensor([0, 4], device=DEVICE))
     torch.testing.assert_close(out[1, 2:], x[1, 2:], rtol=0, atol=0)
     assert not torch.allclose(out[1, :2], x[1, :2])
@@ -155,7 +140,7 @@ def test_strided_input_and_output():
     # q and k of a packed qkv (b, s, 3, h, d) are strided views: rotate them where they lie.
     torch.manual_seed(0)
     qkv = torch.randn(2, 6, 3, 4, 16, device=DEVICE)
-    cos, sin = _tables(6, 16, DEVICE)
+    cos, sin = rotary_tables(6, 16, DEVICE)
     k = qkv[:, :, 1]
     expected = apply_rotary_ref(k, cos, sin)
     out = apply_rotary(k, cos, sin)
@@ -224,7 +209,7 @@ def test_apply_rotary_varlen_gpu(dtype, interleaved, offsets_kind):
     lengths = [1, 513, 97, 1025, 0, 64]
     cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     x = torch.randn(sum(lengths), 8, 128, device="cuda", dtype=dtype)
-    cos, sin = _tables(2048, 64, "cuda", dtype)
+    cos, sin = rotary_tables(2048, 64, "cuda", dtype)
     offsets = _offsets(offsets_kind, len(lengths), "cuda")
     out = torch.full_like(x, float("nan"))
     apply_rotary(x, cos, sin, seqlen_offsets=offsets, cu_seqlens=cu_seqlens,
