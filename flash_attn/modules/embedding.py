@@ -74,6 +74,15 @@ class BertEmbeddings(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
+def _local_size(owner, name, size, process_group):
+    """This rank's equal share of size; owner and name say what is split, in the error."""
+    world_size = torch.distributed.get_world_size(process_group)
+    if size % world_size != 0:
+        raise ValueError(f"{owner}: {name} ({size}) must be divisible by the world size "
+                         f"({world_size})")
+    return size // world_size
+
+
 class VocabParallelEmbedding(nn.Embedding):
     """This rank's contiguous block of num_embeddings / world_size rows. Ids outside the block
     give zero vectors, so summing over ranks (the caller's reduction) gives the full lookup."""
@@ -81,14 +90,12 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, num_embeddings, *args, process_group=None, padding_idx=None, **kwargs):
         self.process_group = process_group
         if process_group is not None:
-            world_size = torch.distributed.get_world_size(process_group)
-            if num_embeddings % world_size != 0:
-                raise ValueError(f"VocabParallelEmbedding: num_embeddings ({num_embeddings}) must "
-                                 f"be divisible by the world size ({world_size})")
-            if world_size > 1 and padding_idx is not None:
+            local = _local_size("VocabParallelEmbedding", "num_embeddings", num_embeddings,
+                                process_group)
+            if padding_idx is not None and torch.distributed.get_world_size(process_group) > 1:
                 raise ValueError("VocabParallelEmbedding: padding_idx is not supported with "
                                  "more than one rank")
-            num_embeddings //= world_size
+            num_embeddings = local
         super().__init__(num_embeddings, *args, padding_idx=padding_idx, **kwargs)
 
     def forward(self, input):
@@ -107,11 +114,8 @@ class ColumnParallelEmbedding(nn.Embedding):
     def __init__(self, num_embeddings, embedding_dim, *args, process_group=None, **kwargs):
         self.process_group = process_group
         if process_group is not None:
-            world_size = torch.distributed.get_world_size(process_group)
-            if embedding_dim % world_size != 0:
-                raise ValueError(f"ColumnParallelEmbedding: embedding_dim ({embedding_dim}) must "
-                                 f"be divisible by the world size ({world_size})")
-            embedding_dim //= world_size
+            embedding_dim = _local_size("ColumnParallelEmbedding", "embedding_dim", embedding_dim,
+                                        process_group)
         super().__init__(num_embeddings, embedding_dim, *args, **kwargs)
 
 

@@ -151,11 +151,8 @@ def benchmark_fwd_bwd(fn, *inputs, grad=None, repeats=10, desc="", verbose=True,
 def benchmark_all(fn, *inputs, grad=None, repeats=10, desc="", verbose=True, amp=False,
                   amp_dtype=torch.float16, **kwinputs):
     """(forward, backward, combined), each a (timer, measurement) pair."""
-    return (
-        benchmark_forward(fn, *inputs, repeats=repeats, desc=desc, verbose=verbose, amp=amp,
-                          amp_dtype=amp_dtype, **kwinputs),
-        benchmark_backward(fn, *inputs, grad=grad, repeats=repeats, desc=desc, verbose=verbose,
-                           amp=amp, amp_dtype=amp_dtype, **kwinputs),
+    return benchmark_fwd_bwd(fn, *inputs, grad=grad, repeats=repeats, desc=desc, verbose=verbose,
+                             amp=amp, amp_dtype=amp_dtype, **kwinputs) + (
         benchmark_combined(fn, *inputs, grad=grad, repeats=repeats, desc=desc, verbose=verbose,
                            amp=amp, amp_dtype=amp_dtype, **kwinputs),
     )
