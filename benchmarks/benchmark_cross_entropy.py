@@ -16,15 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    copy_bandwidth,
-    gbps,
-    parse_args,
-    report,
-    save_plot,
-    time_ms,
-    wall_ms,
-)
+from _common import copy_bandwidth, gbps, parse_args, report, save_plot, time_ms, wall_ms  # noqa: E402
 
 from flash_attn.losses.cross_entropy import CrossEntropyLoss  # noqa: E402
 from flash_attn.ops.triton.cross_entropy import _backward_launch, _forward_launch  # noqa: E402

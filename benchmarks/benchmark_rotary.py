@@ -13,15 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    copy_bandwidth,
-    gbps,
-    parse_args,
-    report,
-    save_plot,
-    time_ms,
-    wall_ms,
-)
+from _common import copy_bandwidth, gbps, parse_args, report, save_plot, time_ms, wall_ms  # noqa: E402
 
 from flash_attn.layers.rotary import apply_rotary_emb_torch  # noqa: E402
 from flash_attn.ops.triton.rotary import _launch, apply_rotary  # noqa: E402
