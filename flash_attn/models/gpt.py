@@ -355,8 +355,27 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
 # ----------------------------------------------------------------------------------------------
 
 
-def _pad_rows(weight, rows):
-    return F.pad(weight, (0, 0, 0, rows - weight.shape[0]))
+def pad_vocab(t, vocab_size):
+    """Embedding / lm_head rows (or an lm_head bias) zero-padded to vocab_size entries."""
+    pad = vocab_size - t.shape[0]
+    return F.pad(t, (0, 0, 0, pad) if t.dim() == 2 else (0, pad))
+
+
+def split_layer_key(prefix, key, caller):
+    """(layer index, module, param) of a per-layer checkpoint key prefix<i>.<module>.<param>
+    (prefix a regex); a KeyError naming caller for any other key."""
+    m = re.match(prefix + r"(\d+)\.(.+)\.(weight|bias)$", key)
+    if m is None:
+        raise KeyError(f"{caller}: unexpected key {key!r}")
+    return m.groups()
+
+
+def stack_qkv(out, qkv):
+    """Separate q / k / v projections, qkv {(layer, "q" | "k" | "v", param): tensor}, stacked
+    into out's transformer.layers.<layer>.mixer.Wqkv.<param> as [q; k; v]."""
+    for i, param in sorted({(i, p) for i, _, p in qkv}):
+        out[f"transformer.layers.{i}.mixer.Wqkv.{param}"] = torch.cat(
+            [qkv[(i, name, param)] for name in "qkv"])
 
 
 def remap_state_dict_hf_gpt2(state_dict, config):
@@ -368,22 +387,18 @@ def remap_state_dict_hf_gpt2(state_dict, config):
         if re.search(r"\.attn\.(masked_)?bias$", key):  # causal-mask buffers of old checkpoints
             continue
         if key == "wte.weight":
-            out["transformer.embeddings.word_embeddings.weight"] = _pad_rows(
+            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(
                 value, padded_vocab_size(config))
         elif key == "wpe.weight":
             out["transformer.embeddings.position_embeddings.weight"] = value
         elif key.startswith("ln_f."):
             out["transformer." + key] = value
         elif key == "lm_head.weight":
-            out[key] = _pad_rows(value, padded_vocab_size(config))
+            out[key] = pad_vocab(value, padded_vocab_size(config))
         else:
-            m = re.match(r"h\.(\d+)\.(.*)", key)
-            if m is None:
-                raise KeyError(f"remap_state_dict_hf_gpt2: unexpected key {key!r}")
-            i, name = m.groups()
+            i, module, param = split_layer_key(r"h\.", key, "remap_state_dict_hf_gpt2")
             names = {"ln_1": "norm1", "ln_2": "norm2", "attn.c_attn": "mixer.Wqkv",
                      "attn.c_proj": "mixer.out_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
-            module, param = name.rsplit(".", 1)
             if module not in names:
                 raise KeyError(f"remap_state_dict_hf_gpt2: unexpected key {key!r}")
             if module not in ("ln_1", "ln_2") and param == "weight":

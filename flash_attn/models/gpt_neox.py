@@ -4,11 +4,10 @@ MLP in parallel from separate norms (use_parallel_residual), untied head."""
 import re
 from collections import OrderedDict
 
-import torch.nn.functional as F
 from einops import rearrange
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import padded_vocab_size
+from flash_attn.models.gpt import pad_vocab, padded_vocab_size, split_layer_key
 
 
 def gpt_neox_config_to_gpt2_config(neox_config):
@@ -51,16 +50,13 @@ def remap_state_dict_hf_gpt_neox(state_dict, config):
         if re.search(r"attention\.(masked_)?bias$|rotary_emb\.inv_freq$", key):
             continue
         if key == "embed_in.weight":
-            out["transformer.embeddings.word_embeddings.weight"] = F.pad(value, (0, 0, 0, vocab - value.shape[0]))
+            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(value, vocab)
         elif key in ("embed_out.weight", "lm_head.weight"):
-            out["lm_head.weight"] = F.pad(value, (0, 0, 0, vocab - value.shape[0]))
+            out["lm_head.weight"] = pad_vocab(value, vocab)
         elif key.startswith("final_layer_norm."):
             out["transformer.ln_f." + key.split(".", 1)[1]] = value
         else:
-            m = re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", key)
-            if m is None:
-                raise KeyError(f"remap_state_dict_hf_gpt_neox: unexpected key {key!r}")
-            i, module, param = m.groups()
+            i, module, param = split_layer_key(r"layers\.", key, "remap_state_dict_hf_gpt_neox")
             if module == "attention.query_key_value":
                 value = rearrange(value, "(h three d) ... -> (three h d) ...", three=3,
                                   h=config.n_head)

@@ -5,11 +5,9 @@ untied head with a bias."""
 import re
 from collections import OrderedDict
 
-import torch
-import torch.nn.functional as F
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import padded_vocab_size
+from flash_attn.models.gpt import pad_vocab, padded_vocab_size, split_layer_key, stack_qkv
 
 
 def gptj_config_to_gpt2_config(gptj_config):
@@ -32,10 +30,6 @@ def gptj_config_to_gpt2_config(gptj_config):
 def remap_state_dict_hf_gptj(state_dict, config):
     """HF GPTJForCausalLM -> GPTLMHeadModel (q/k/v stacked into Wqkv, vocabulary padded)."""
     vocab = padded_vocab_size(config)
-
-    def pad(t):
-        return F.pad(t, (0, 0, 0, vocab - t.shape[0]) if t.dim() == 2 else (0, vocab - t.shape[0]))
-
     names = {"ln_1": "norm1", "attn.out_proj": "mixer.out_proj", "mlp.fc_in": "mlp.fc1",
              "mlp.fc_out": "mlp.fc2"}
     out, qkv = OrderedDict(), {}
@@ -44,21 +38,16 @@ def remap_state_dict_hf_gptj(state_dict, config):
         if re.search(r"attn\.(masked_)?bias$|embed_positions$", key):
             continue
         if key == "wte.weight":
-            out["transformer.embeddings.word_embeddings.weight"] = pad(value)
+            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(value, vocab)
         elif key.startswith("lm_head."):
-            out[key] = pad(value)
+            out[key] = pad_vocab(value, vocab)
         elif key.startswith("ln_f."):
             out["transformer." + key] = value
         else:
-            m = re.match(r"h\.(\d+)\.(.+)\.(weight|bias)$", key)
-            if m is None:
-                raise KeyError(f"remap_state_dict_hf_gptj: unexpected key {key!r}")
-            i, module, param = m.groups()
+            i, module, param = split_layer_key(r"h\.", key, "remap_state_dict_hf_gptj")
             if module in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
                 qkv[(i, module[5], param)] = value
             else:
                 out[f"transformer.layers.{i}.{names[module]}.{param}"] = value
-    for i, param in sorted({(i, p) for i, _, p in qkv}):
-        out[f"transformer.layers.{i}.mixer.Wqkv.{param}"] = torch.cat(
-            [qkv[(i, name, param)] for name in "qkv"])
+    stack_qkv(out, qkv)
     return out

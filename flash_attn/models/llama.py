@@ -9,10 +9,9 @@ import re
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import padded_vocab_size
+from flash_attn.models.gpt import pad_vocab, padded_vocab_size, split_layer_key
 
 
 def _rope_theta(llama_config):
@@ -66,10 +65,6 @@ def llama_config_to_gpt2_config(llama_config):
     )
 
 
-def _pad_rows(weight, rows):
-    return F.pad(weight, (0, 0, 0, rows - weight.shape[0]))
-
-
 _LAYER_NAMES = {
     "input_layernorm": "norm1",
     "post_attention_layernorm": "norm2",
@@ -87,18 +82,15 @@ def remap_state_dict_hf_llama(state_dict, config):
     for key, value in state_dict.items():
         key = re.sub(r"^model\.", "", key)
         if key == "embed_tokens.weight":
-            out["transformer.embeddings.word_embeddings.weight"] = _pad_rows(value, vocab_size)
+            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(value, vocab_size)
         elif key == "lm_head.weight":
-            out["lm_head.weight"] = _pad_rows(value, vocab_size)
+            out["lm_head.weight"] = pad_vocab(value, vocab_size)
         elif key == "norm.weight":
             out["transformer.ln_f.weight"] = value
         elif key.endswith("rotary_emb.inv_freq"):
             continue
         else:
-            m = re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", key)
-            if m is None:
-                raise KeyError(f"remap_state_dict_hf_llama: unexpected key {key!r}")
-            i, module, param = m.groups()
+            i, module, param = split_layer_key(r"layers\.", key, "remap_state_dict_hf_llama")
             if module in _LAYER_NAMES:
                 out[f"transformer.layers.{i}.{_LAYER_NAMES[module]}.{param}"] = value
             else:  # q/k/v and gate/up, stacked below
@@ -134,10 +126,8 @@ def inv_remap_state_dict_hf_llama(state_dict, config):
         elif key == "transformer.ln_f.weight":
             out["model.norm.weight"] = value
         else:
-            m = re.match(r"transformer\.layers\.(\d+)\.(.+)\.(weight|bias)$", key)
-            if m is None:
-                raise KeyError(f"inv_remap_state_dict_hf_llama: unexpected key {key!r}")
-            i, module, param = m.groups()
+            i, module, param = split_layer_key(r"transformer\.layers\.", key,
+                                               "inv_remap_state_dict_hf_llama")
             prefix = f"model.layers.{i}."
             if module == "mixer.Wqkv":
                 q, k, v = value.split([q_dim, kv_dim, kv_dim], dim=0)

@@ -5,11 +5,9 @@ rows), ReLU MLP, tied head; OPT-350m is post-norm with word embeddings in a smal
 import re
 from collections import OrderedDict
 
-import torch
-import torch.nn.functional as F
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import padded_vocab_size
+from flash_attn.models.gpt import pad_vocab, padded_vocab_size, split_layer_key, stack_qkv
 
 _POSITION_OFFSET = 2
 
@@ -45,7 +43,7 @@ def remap_state_dict_hf_opt(state_dict, config):
     for key, value in state_dict.items():
         key = re.sub(r"^(model\.)?decoder\.", "", key)
         if key == "embed_tokens.weight":
-            out["transformer.embeddings.word_embeddings.weight"] = F.pad(value, (0, 0, 0, vocab - value.shape[0]))
+            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(value, vocab)
         elif key == "embed_positions.weight":
             out["transformer.embeddings.position_embeddings.weight"] = value[_POSITION_OFFSET:]
         elif key == "project_in.weight":
@@ -55,19 +53,14 @@ def remap_state_dict_hf_opt(state_dict, config):
         elif key.startswith("final_layer_norm."):
             out["transformer.ln_f." + key.split(".", 1)[1]] = value
         elif key == "lm_head.weight":
-            out[key] = F.pad(value, (0, 0, 0, vocab - value.shape[0]))
+            out[key] = pad_vocab(value, vocab)
         else:
-            m = re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", key)
-            if m is None:
-                raise KeyError(f"remap_state_dict_hf_opt: unexpected key {key!r}")
-            i, module, param = m.groups()
+            i, module, param = split_layer_key(r"layers\.", key, "remap_state_dict_hf_opt")
             if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 qkv[(i, module[10], param)] = value
             else:
                 out[f"transformer.layers.{i}.{names[module]}.{param}"] = value
-    for i, param in sorted({(i, p) for i, _, p in qkv}):
-        out[f"transformer.layers.{i}.mixer.Wqkv.{param}"] = torch.cat(
-            [qkv[(i, name, param)] for name in "qkv"])
+    stack_qkv(out, qkv)
     if config.tie_word_embeddings or "lm_head.weight" not in out:
         out["lm_head.weight"] = out["transformer.embeddings.word_embeddings.weight"]
     return out
