@@ -234,6 +234,18 @@ def _leaf(t, dtype=None):
     return None if t is None else t.detach().clone().to(dtype or t.dtype).requires_grad_()
 
 
+def _backward_with_refs(targets, ref_sets):
+    """Backward of our outputs and of each reference's with the same upstream gradients. They are
+    drawn in the dtype of our outputs, as autograd hands them to the op, and widened exactly for
+    the fp32 reference: an unrounded fp32 draw would make the fp32 reference the gradient for a
+    different dz, and that difference (|dz - fp16(dz)| summed over rows, as large as an fp16 ulp
+    of dgamma) would count as error of ours and of the low-precision reference alike."""
+    grads = [torch.randn_like(t, dtype=torch.float32).to(t.dtype) for t in targets]
+    torch.autograd.backward(targets, grads)
+    for r in ref_sets:
+        torch.autograd.backward(r, [g.to(o.dtype) for g, o in zip(grads, r)])
+
+
 def reference(x0, residual, weight, bias, dropout_p, eps, rowscale=None, colscale=None,
               dmask=None, is_rms_norm=False, residual_dtype=None, fp32=True):
     """(out, pre-norm sum). fp32=True: everything in fp32. fp32=False: the input dtypes, the sum
@@ -305,11 +317,7 @@ def run_dropout_add_norm(ln, M, N, dtype, residual_dtype, weight_dtype, dropout_
         _assert_close("pre-norm sum", pre, refs[True][1][1], refs[False][1][1])
         targets.append(pre)
 
-    grads = [torch.randn_like(t, dtype=torch.float32) for t in targets]
-    torch.autograd.backward(targets, [g.to(t.dtype) for g, t in zip(grads, targets)])
-    for fp32 in (True, False):
-        r = refs[fp32][1][: len(targets)]
-        torch.autograd.backward(r, [g.to(t.dtype) for g, t in zip(grads, r)])
+    _backward_with_refs(targets, [refs[fp32][1][: len(targets)] for fp32 in (True, False)])
     for name, t, r32, rlow in zip(["x0", "residual", "weight", "bias", "colscale"], ours,
                                   refs[True][0], refs[False][0]):
         if t is None:
@@ -522,11 +530,8 @@ def run_subset(ln, batch, seqlen, N, dtype, prenorm, has_colscale, dropout_p, is
     if prenorm:
         assert outs[1].shape == res.shape
         _assert_close("pre-norm sum", outs[1], refs[True][3], refs[False][3])
-    grads = [torch.randn_like(t, dtype=torch.float32) for t in targets]
-    torch.autograd.backward(targets, [g.to(t.dtype) for g, t in zip(grads, targets)])
-    for fp32 in (True, False):
-        r = [refs[fp32][2]] + ([refs[fp32][3]] if prenorm else [])
-        torch.autograd.backward(r, [g.to(t.dtype) for g, t in zip(grads, r)])
+    _backward_with_refs(targets, [[refs[fp32][2]] + ([refs[fp32][3]] if prenorm else [])
+                                  for fp32 in (True, False)])
     _assert_close("grad x0", x0.grad, refs[True][0].grad[x0_keep],
                   refs[False][0].grad[x0_keep])
     for name, t, r32, rlow in zip(["residual", "weight", "bias", "colscale"], ours,
@@ -596,11 +601,7 @@ def run_parallel(ln, M, N, dtype, has_x1, tied_norm, dropout_p, prenorm, is_rms_
     targets = [o for o in (out0, out1) if o is not None] + ([outs[2]] if prenorm else [])
     for k, o in enumerate(targets):
         _assert_close(f"output {k}", o, refs[True][1][k], refs[False][1][k])
-    grads = [torch.randn_like(o, dtype=torch.float32) for o in targets]
-    torch.autograd.backward(targets, [g.to(o.dtype) for g, o in zip(grads, targets)])
-    for fp32 in (True, False):
-        r = refs[fp32][1]
-        torch.autograd.backward(r, [g.to(o.dtype) for g, o in zip(grads, r)])
+    _backward_with_refs(targets, [refs[fp32][1] for fp32 in (True, False)])
     names = ["x0", "x1", "residual", "weight0", "bias0", "weight1", "bias1"]
     for name, o, r32, rlow in zip(names, ours, refs[True][0], refs[False][0]):
         if o is not None:
