@@ -34,63 +34,39 @@ def _flat(t):
     return None if t is None else t.view(-1)
 
 
-def _dropout_add_layer_norm_forward(x0, residual, gamma, beta, rowscale, colscale, dropout_p,
-                                    epsilon, residual_in_fp32=False, is_rms_norm=False):
+def _dropout_add_layer_norm_forward(x0, residual, gamma, beta, rowscale, colscale, x0_subset,
+                                    out_subset, dropout_p, epsilon, rowscale_const, out_numrows,
+                                    residual_in_fp32=False, is_rms_norm=False):
     """Arguments contiguous. Returns (z, x, dmask, mu, rsigma) as 2-D / 1-D tensors; x is x0
-    itself when nothing changed it (no residual, dropout, scaling or dtype change)."""
+    itself when nothing changed it (no residual, dropout, scaling, subset or dtype change).
+    Token dropping (x0_subset / out_subset given): row i of the residual stream takes x0 row
+    x0_subset[i] - 1 (0: none) and writes output row out_subset[i] - 1 (0: none); x0 is then
+    scaled by rowscale_const instead of rowscale."""
     hidden_size = gamma.numel()
     x0mat = x0.view(-1, hidden_size)
     zmat, xmat, dmask, mu, rsigma = dropout_layer_norm.dropout_add_ln_fwd(
-        x0mat, _rows(residual, hidden_size), gamma, beta, _flat(rowscale), colscale, None, None,
-        dropout_p, epsilon, 1.0, 0, None, residual_in_fp32, is_rms_norm,
+        x0mat, _rows(residual, hidden_size), gamma, beta, _flat(rowscale), colscale,
+        _flat(x0_subset), _flat(out_subset), dropout_p, epsilon, rowscale_const, out_numrows,
+        None, residual_in_fp32, is_rms_norm,
     )
     return zmat, (xmat if xmat is not None else x0mat), dmask, mu, rsigma
 
 
 def _dropout_add_layer_norm_backward(dz, dx, x, x0, dmask, mu, rsigma, gamma, rowscale, colscale,
-                                     dropout_p, has_residual, is_rms_norm=False):
+                                     x0_subset, out_subset, dropout_p, rowscale_const, x0_numrows,
+                                     has_residual, is_rms_norm=False):
     """dx is the gradient of the pre-norm sum (None for post-norm); x0 is needed only for the
-    gradient of colscale. Returns (dx0, dresidual, dgamma, dbeta[, dcolscale])."""
+    gradient of colscale. Returns (dx0, dresidual, dgamma, dbeta, dcolscale or None)."""
     hidden_size = gamma.numel()
-    xmat = x.view(-1, hidden_size)
     if colscale is not None:
         assert x0 is not None, "x0 is required to compute the gradient of colscale"
     dx0, dresidual, dgamma, dbeta, _, _, *rest = dropout_layer_norm.dropout_add_ln_bwd(
-        dz.view(xmat.shape), _rows(dx, hidden_size), xmat, _rows(x0, hidden_size), dmask, mu,
-        rsigma, gamma, _flat(rowscale), colscale, None, None, dropout_p, 1.0, 0, has_residual,
+        dz.view(-1, hidden_size), _rows(dx, hidden_size), x.view(-1, hidden_size),
+        _rows(x0, hidden_size), dmask, mu, rsigma, gamma, _flat(rowscale), colscale,
+        _flat(x0_subset), _flat(out_subset), dropout_p, rowscale_const, x0_numrows, has_residual,
         is_rms_norm,
     )
-    return (dx0, dresidual, dgamma, dbeta) + ((rest[0],) if colscale is not None else ())
-
-
-def _dropout_add_layer_norm_subset_forward(x0, residual, gamma, beta, colscale, x0_subset,
-                                           out_subset, dropout_p, epsilon, rowscale_const,
-                                           out_numrows, residual_in_fp32=False, is_rms_norm=False):
-    """Token dropping: row i of the residual stream takes x0 row x0_subset[i] - 1 (0: none) and
-    writes output row out_subset[i] - 1 (0: none); x0 is scaled by rowscale_const."""
-    hidden_size = gamma.numel()
-    x0mat = x0.view(-1, hidden_size)
-    zmat, xmat, dmask, mu, rsigma = dropout_layer_norm.dropout_add_ln_fwd(
-        x0mat, _rows(residual, hidden_size), gamma, beta, None, colscale, _flat(x0_subset),
-        _flat(out_subset), dropout_p, epsilon, rowscale_const, out_numrows, None,
-        residual_in_fp32, is_rms_norm,
-    )
-    return zmat, (xmat if xmat is not None else x0mat), dmask, mu, rsigma
-
-
-def _dropout_add_layer_norm_subset_backward(dz, dx, x, x0, dmask, mu, rsigma, gamma, colscale,
-                                            x0_subset, out_subset, dropout_p, rowscale_const,
-                                            x0_numrows, has_residual, is_rms_norm=False):
-    hidden_size = gamma.numel()
-    xmat = x.view(-1, hidden_size)
-    if colscale is not None:
-        assert x0 is not None, "x0 is required to compute the gradient of colscale"
-    dx0, dresidual, dgamma, dbeta, _, _, *rest = dropout_layer_norm.dropout_add_ln_bwd(
-        dz.view(-1, hidden_size), _rows(dx, hidden_size), xmat, _rows(x0, hidden_size), dmask, mu,
-        rsigma, gamma, None, colscale, _flat(x0_subset), _flat(out_subset), dropout_p,
-        rowscale_const, x0_numrows, has_residual, is_rms_norm,
-    )
-    return (dx0, dresidual, dgamma, dbeta) + ((rest[0],) if colscale is not None else ())
+    return dx0, dresidual, dgamma, dbeta, (rest[0] if colscale is not None else None)
 
 
 def _dropout_add_layer_norm_parallel_residual_forward(x0, x1, residual, gamma0, beta0, gamma1,
@@ -128,65 +104,26 @@ def _ones_mask(shape, device):
 
 
 class DropoutAddLayerNormFn(torch.autograd.Function):
+    """The plain form (rowscale) and the token-dropping form (x0_subset / out_subset,
+    rowscale_const, out_numrows) of dropout + add + LayerNorm / RMSNorm."""
+
     @staticmethod
     def forward(ctx, x0, residual, gamma, beta, rowscale, colscale, dropout_p, epsilon,
-                residual_in_fp32=False, prenorm=False, is_rms_norm=False, return_dmask=False):
+                residual_in_fp32=False, prenorm=False, is_rms_norm=False, return_dmask=False,
+                x0_subset=None, out_subset=None, rowscale_const=1.0, out_numrows=0):
         x0, residual, gamma, beta, rowscale, colscale = map(
             _prepare, (x0, residual, gamma, beta, rowscale, colscale))
-        zmat, xmat, dmask, mu, rsigma = _dropout_add_layer_norm_forward(
-            x0, residual, gamma, beta, rowscale, colscale, dropout_p, epsilon, residual_in_fp32,
-            is_rms_norm,
-        )
-        # x0 is needed again only for the gradient of colscale.
-        ctx.save_for_backward(xmat.view(x0.shape), x0 if colscale is not None else None, dmask,
-                              gamma, mu, rsigma, rowscale, colscale)
-        ctx.prenorm = prenorm
-        ctx.dropout_p = dropout_p
-        ctx.has_residual = residual is not None
-        ctx.is_rms_norm = is_rms_norm
-        ctx.has_beta = beta is not None
-        outputs = (zmat.view(x0.shape),) + ((xmat.view(x0.shape),) if prenorm else ())
-        if return_dmask:
-            mask = dmask.view(x0.shape) if dropout_p > 0.0 else _ones_mask(x0.shape, x0.device)
-            ctx.mark_non_differentiable(mask)
-            outputs += (mask,)
-        return outputs[0] if len(outputs) == 1 else outputs
-
-    @staticmethod
-    def backward(ctx, dz, *args):
-        dz = _prepare(dz)
-        dx = _prepare(args[0]) if ctx.prenorm else None
-        x, x0, dmask, gamma, mu, rsigma, rowscale, colscale = ctx.saved_tensors
-        dx0, dresidual, dgamma, dbeta, *rest = _dropout_add_layer_norm_backward(
-            dz, dx, x, x0, dmask, mu, rsigma, gamma, rowscale, colscale, ctx.dropout_p,
-            ctx.has_residual, ctx.is_rms_norm,
-        )
-        return (
-            dx0.view(x.shape),
-            dresidual.view(x.shape) if dresidual is not None else None,
-            dgamma,
-            dbeta if ctx.has_beta else None,
-            None,
-            rest[0] if colscale is not None else None,
-            None, None, None, None, None, None,
-        )
-
-
-class DropoutAddLayerNormSubsetFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x0, residual, gamma, beta, colscale, x0_subset, out_subset, dropout_p,
-                epsilon, rowscale_const, out_numrows, residual_in_fp32=False, prenorm=False,
-                is_rms_norm=False, return_dmask=False):
-        x0, residual, gamma, beta, colscale = map(_prepare, (x0, residual, gamma, beta, colscale))
         x0_subset = x0_subset.contiguous() if x0_subset is not None else None
         out_subset = out_subset.contiguous() if out_subset is not None else None
-        zmat, xmat, dmask, mu, rsigma = _dropout_add_layer_norm_subset_forward(
-            x0, residual, gamma, beta, colscale, x0_subset, out_subset, dropout_p, epsilon,
-            rowscale_const, out_numrows, residual_in_fp32, is_rms_norm,
+        zmat, xmat, dmask, mu, rsigma = _dropout_add_layer_norm_forward(
+            x0, residual, gamma, beta, rowscale, colscale, x0_subset, out_subset, dropout_p,
+            epsilon, rowscale_const, out_numrows, residual_in_fp32, is_rms_norm,
         )
+        # Rows of x and z: x0's rows without subsets, the subsets' otherwise.
         row_shape = (-1, *x0.shape[1:])
+        # x0 is needed again only for the gradient of colscale.
         ctx.save_for_backward(xmat.view(row_shape), x0 if colscale is not None else None, dmask,
-                              gamma, mu, rsigma, colscale, x0_subset, out_subset)
+                              gamma, mu, rsigma, rowscale, colscale, x0_subset, out_subset)
         ctx.prenorm = prenorm
         ctx.dropout_p = dropout_p
         ctx.rowscale_const = rowscale_const
@@ -205,9 +142,10 @@ class DropoutAddLayerNormSubsetFn(torch.autograd.Function):
     def backward(ctx, dz, *args):
         dz = _prepare(dz)
         dx = _prepare(args[0]) if ctx.prenorm else None
-        x, x0, dmask, gamma, mu, rsigma, colscale, x0_subset, out_subset = ctx.saved_tensors
-        dx0, dresidual, dgamma, dbeta, *rest = _dropout_add_layer_norm_subset_backward(
-            dz, dx, x, x0, dmask, mu, rsigma, gamma, colscale, x0_subset, out_subset,
+        (x, x0, dmask, gamma, mu, rsigma, rowscale, colscale, x0_subset,
+         out_subset) = ctx.saved_tensors
+        dx0, dresidual, dgamma, dbeta, dcolscale = _dropout_add_layer_norm_backward(
+            dz, dx, x, x0, dmask, mu, rsigma, gamma, rowscale, colscale, x0_subset, out_subset,
             ctx.dropout_p, ctx.rowscale_const, ctx.x0_numrows, ctx.has_residual, ctx.is_rms_norm,
         )
         return (
@@ -215,7 +153,9 @@ class DropoutAddLayerNormSubsetFn(torch.autograd.Function):
             dresidual.view(x.shape) if dresidual is not None else None,
             dgamma,
             dbeta if ctx.has_beta else None,
-            rest[0] if colscale is not None else None,
+            None,
+            dcolscale,
+            # dropout_p .. return_dmask, then the four subset arguments
             None, None, None, None, None, None, None, None, None, None,
         )
 
@@ -295,10 +235,10 @@ def dropout_add_layer_norm_subset(x0, residual, weight, bias, dropout_p, epsilon
                                   out_numrows=0, prenorm=False, residual_in_fp32=False,
                                   return_dropout_mask=False):
     """Token dropping (drop path on whole sequences, or computing only some output rows): see
-    _dropout_add_layer_norm_subset_forward. residual_in_fp32 as in dropout_add_layer_norm."""
-    return DropoutAddLayerNormSubsetFn.apply(
-        x0, residual, weight, bias, layerscale, x0_subset, out_subset, dropout_p, epsilon,
-        rowscale_const, out_numrows, residual_in_fp32, prenorm, False, return_dropout_mask,
+    _dropout_add_layer_norm_forward. residual_in_fp32 as in dropout_add_layer_norm."""
+    return DropoutAddLayerNormFn.apply(
+        x0, residual, weight, bias, None, layerscale, dropout_p, epsilon, residual_in_fp32,
+        prenorm, False, return_dropout_mask, x0_subset, out_subset, rowscale_const, out_numrows,
     )
 
 
@@ -313,7 +253,12 @@ def dropout_add_layer_norm_parallel_residual(x0, x1, residual, weight0, bias0, w
     )
 
 
-class DropoutAddLayerNorm(torch.nn.Module):
+class _DropoutAddNorm(torch.nn.Module):
+    """Dropout + add + norm as a module: the LayerNorm form has a bias, the RMSNorm form
+    (flash_attn.ops.rms_norm.DropoutAddRMSNorm) has none."""
+
+    is_rms_norm = False
+
     def __init__(self, hidden_size, prenorm=False, p=0.0, eps=1e-5, residual_in_fp32=False,
                  device=None, dtype=None):
         factory_kwargs = {"device": device, "dtype": dtype}
@@ -323,7 +268,10 @@ class DropoutAddLayerNorm(torch.nn.Module):
         self.eps = eps
         self.residual_in_fp32 = residual_in_fp32
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, **factory_kwargs))
-        self.bias = torch.nn.Parameter(torch.empty(hidden_size, **factory_kwargs))
+        if self.is_rms_norm:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = torch.nn.Parameter(torch.empty(hidden_size, **factory_kwargs))
         self.reset_parameters()
 
     @property
@@ -332,10 +280,15 @@ class DropoutAddLayerNorm(torch.nn.Module):
 
     def reset_parameters(self):
         init.ones_(self.weight)
-        init.zeros_(self.bias)
+        if self.bias is not None:
+            init.zeros_(self.bias)
 
     def forward(self, x0, residual=None):
-        return dropout_add_layer_norm(
-            x0, residual, self.weight, self.bias, self.p if self.training else 0.0, self.eps,
-            prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32,
+        return DropoutAddLayerNormFn.apply(
+            x0, residual, self.weight, self.bias, None, None, self.p if self.training else 0.0,
+            self.eps, self.residual_in_fp32, self.prenorm, self.is_rms_norm,
         )
+
+
+class DropoutAddLayerNorm(_DropoutAddNorm):
+    is_rms_norm = False

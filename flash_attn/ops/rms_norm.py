@@ -7,7 +7,7 @@ from torch.nn import init
 from flash_attn.ops.layer_norm import (
     DropoutAddLayerNormFn,
     DropoutAddLayerNormParallelResidualFn,
-    DropoutAddLayerNormSubsetFn,
+    _DropoutAddNorm,
 )
 
 
@@ -32,9 +32,9 @@ def dropout_add_rms_norm_subset(x0, residual, weight, bias, dropout_p, epsilon, 
                                 x0_subset=None, out_subset=None, rowscale_const=1.0,
                                 out_numrows=0, prenorm=False, residual_in_fp32=False,
                                 return_dropout_mask=False):
-    return DropoutAddLayerNormSubsetFn.apply(
-        x0, residual, weight, bias, layerscale, x0_subset, out_subset, dropout_p, epsilon,
-        rowscale_const, out_numrows, residual_in_fp32, prenorm, True, return_dropout_mask,
+    return DropoutAddLayerNormFn.apply(
+        x0, residual, weight, bias, None, layerscale, dropout_p, epsilon, residual_in_fp32,
+        prenorm, True, return_dropout_mask, x0_subset, out_subset, rowscale_const, out_numrows,
     )
 
 
@@ -63,28 +63,5 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-class DropoutAddRMSNorm(torch.nn.Module):
-    def __init__(self, hidden_size, prenorm=False, p=0.0, eps=1e-5, residual_in_fp32=False,
-                 device=None, dtype=None):
-        factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
-        self.prenorm = prenorm
-        self.p = p
-        self.eps = eps
-        self.residual_in_fp32 = residual_in_fp32
-        self.weight = torch.nn.Parameter(torch.empty(hidden_size, **factory_kwargs))
-        self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    @property
-    def epsilon(self):  # the attribute's name in older flash-attn releases
-        return self.eps
-
-    def reset_parameters(self):
-        init.ones_(self.weight)
-
-    def forward(self, x0, residual=None):
-        return dropout_add_rms_norm(
-            x0, residual, self.weight, None, self.p if self.training else 0.0, self.eps,
-            prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32,
-        )
+class DropoutAddRMSNorm(_DropoutAddNorm):
+    is_rms_norm = True
