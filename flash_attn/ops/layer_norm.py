@@ -178,7 +178,7 @@ class DropoutAddLayerNormParallelResidualFn(torch.autograd.Function):
         ctx.has_x1 = x1 is not None
         ctx.has_residual = residual is not None
         ctx.is_rms_norm = is_rms_norm
-        ctx.has_beta = beta0 is not None
+        ctx.has_beta = (beta0 is not None, beta1 is not None)
         outputs = (z0.view(x0.shape), z1.view(x0.shape) if z1 is not None else None)
         if prenorm:
             outputs += (xmat.view(x0.shape),)
@@ -208,9 +208,9 @@ class DropoutAddLayerNormParallelResidualFn(torch.autograd.Function):
             dx1.view(x.shape) if dx1 is not None else None,
             dresidual.view(x.shape) if dresidual is not None else None,
             dgamma0,
-            dbeta0 if ctx.has_beta else None,
+            dbeta0 if ctx.has_beta[0] else None,
             dgamma1,
-            dbeta1 if ctx.has_beta else None,
+            dbeta1 if ctx.has_beta[1] else None,
             None, None, None, None, None, None,
         )
 

@@ -608,6 +608,30 @@ def run_parallel(ln, M, N, dtype, has_x1, tied_norm, dropout_p, prenorm, is_rms_
             _assert_close(f"grad {name}", o.grad, r32.grad, rlow.grad)
 
 
+@pytest.mark.parametrize("has_bias0,has_bias1", [(True, False), (False, True)])
+def test_parallel_residual_bias_on_one_branch(ln, has_bias0, has_bias1):
+    # Each bias gets its own gradient, or none when it is not given.
+    torch.manual_seed(0)
+    t = lambda *s: torch.randn(*s, device=ln.device)  # noqa: E731
+    x0, res, w0, w1 = t(9, 32), t(9, 32), t(32), t(32)
+    b0, b1 = (t(32) if has_bias0 else None), (t(32) if has_bias1 else None)
+    ours = [_leaf(v) for v in (x0, res, w0, b0, w1, b1)]
+    out0, out1 = ln.mod.dropout_add_layer_norm_parallel_residual(
+        ours[0], None, ours[1], ours[2], ours[3], ours[4], ours[5], 0.0, 1e-5)
+    refs = [_leaf(v) for v in (x0, res, w0, b0, w1, b1)]
+    pre = refs[0] + refs[1]
+    ref0 = F.layer_norm(pre, (32,), refs[2], refs[3], 1e-5)
+    ref1 = F.layer_norm(pre, (32,), refs[4], refs[5], 1e-5)
+    g0, g1 = t(9, 32), t(9, 32)
+    torch.autograd.backward([out0, out1], [g0, g1])
+    torch.autograd.backward([ref0, ref1], [g0, g1])
+    for name, o, r in zip(["x0", "residual", "weight0", "bias0", "weight1", "bias1"], ours, refs):
+        if o is None:
+            continue
+        assert o.grad is not None, name
+        torch.testing.assert_close(o.grad, r.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
 # --------------------------------------------------------------------------------------------
 # Modules, plain norms and bad inputs
 # --------------------------------------------------------------------------------------------
