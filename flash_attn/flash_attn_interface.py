@@ -4,8 +4,8 @@ Data flows one way: a public function normalises its arguments and calls an auto
 which calls a `torch.ops.flash_attn.*` custom op, which calls the `flash_attn_2_cuda` extension.
 """
 
-import math
-from typing import Optional, Sequence, Tuple
+import os
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +165,53 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
     return out, softmax_lse, q.new_empty(shape_p), q.new_empty((2,), dtype=torch.int64)
 
 
+@torch.library.custom_op("flash_attn::_flash_attn_backward", mutates_args=("dq", "dk", "dv"),
+                         device_types="cuda")
+def _flash_attn_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+    window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool, rng_state: Optional[torch.Tensor],
+) -> torch.Tensor:
+    _, _, _, softmax_d = _cuda_ext().bwd(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p, softmax_scale,
+        causal, window_size_left, window_size_right, softcap, deterministic, None, rng_state,
+    )
+    return softmax_d
+
+
+@_flash_attn_backward.register_fake
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+      window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state):
+    return torch.empty_like(softmax_lse)
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"),
+                         device_types="cuda")
+def _flash_attn_varlen_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+    window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool, rng_state: Optional[torch.Tensor],
+) -> torch.Tensor:
+    _, _, _, softmax_d = _cuda_ext().varlen_bwd(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, False, causal, window_size_left,
+        window_size_right, softcap, deterministic, None, rng_state,
+    )
+    return softmax_d
+
+
+@_flash_attn_varlen_backward.register_fake
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+      alibi_slopes, deterministic, rng_state):
+    return torch.empty_like(softmax_lse)
+
+
 # ----------------------------------------------------------------------------------------------
 # Shared forward/backward plumbing of the autograd Functions.
 # ----------------------------------------------------------------------------------------------
@@ -184,15 +231,26 @@ def _normalize_window(window_size, causal):
     return int(left), (0 if causal else int(right))
 
 
-def _backward_not_built(*_):
-    raise NotImplementedError(
-        "flash_attn: the attention backward kernels are not implemented in this build yet; "
-        "only the forward pass is available (run it under torch.no_grad() or detach the inputs)."
-    )
+# The backward kernels compile but have not yet passed their GPU tests; until they have,
+# gradients are opt-in (this variable at import, or flash_attn_interface.backward_enabled = True)
+# so that nobody trains on unchecked numbers by accident.
+UNVALIDATED_BACKWARD_ENV = "FLASH_ATTN_UNVALIDATED_BACKWARD"
+backward_enabled = os.environ.get(UNVALIDATED_BACKWARD_ENV, "0") == "1"
+
+
+def _check_backward_enabled():
+    if not backward_enabled:
+        raise NotImplementedError(
+            "flash_attn: the attention backward kernels have not been validated on a GPU yet, so "
+            f"gradients are off by default; set {UNVALIDATED_BACKWARD_ENV}=1 (before import) to use "
+            "them anyway, or "
+            "run the forward under torch.no_grad() / on detached inputs."
+        )
 
 
 class _FlashAttnBase(torch.autograd.Function):
-    """Forward of every non-kvcache entry point; subclasses only say how inputs are packed."""
+    """Forward and backward of every non-kvcache entry point; subclasses only say how inputs
+    and gradients are packed."""
 
     @staticmethod
     def _run(ctx, q, k, v, varlen_args, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -207,6 +265,7 @@ class _FlashAttnBase(torch.autograd.Function):
                 q_p, k_p, v_p, dropout_p, softmax_scale, causal, window_left, window_right,
                 softcap, alibi_slopes, return_softmax and dropout_p > 0,
             )
+            seqlens = ()
         else:
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table = varlen_args
             out, softmax_lse, S_dmask, rng_state = torch.ops.flash_attn._flash_attn_varlen_forward(
@@ -214,16 +273,63 @@ class _FlashAttnBase(torch.autograd.Function):
                 softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
                 return_softmax and dropout_p > 0, block_table,
             )
+            seqlens = (cu_seqlens_q, cu_seqlens_k)
         if is_grad_enabled and grads_needed:
-            ctx.save_for_backward(q_p, k_p, v_p, out, softmax_lse, rng_state)
+            ctx.save_for_backward(q_p, k_p, v_p, out, softmax_lse, rng_state, *seqlens)
             ctx.settings = dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                 window_size=(window_left, window_right), softcap=softcap,
                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                varlen_args=varlen_args, head_dim=head_dim)
+                                varlen=varlen_args is not None, head_dim=head_dim,
+                                max_seqlens=None if varlen_args is None else varlen_args[2:4],
+                                paged=varlen_args is not None and varlen_args[4] is not None)
         out = out[..., :head_dim]
         return (out, softmax_lse, S_dmask) if return_softmax else out
 
-    backward = staticmethod(_backward_not_built)
+    @staticmethod
+    def _grads(ctx, dout, dq=None, dk=None, dv=None):
+        """dq, dk, dv of the saved forward, in the padded head dim of its inputs. dq/dk/dv may be
+        views into a packed gradient (written in place, no copy)."""
+        _check_backward_enabled()
+        st = ctx.settings
+        if st["paged"]:
+            raise NotImplementedError("flash_attn: no backward through a paged K/V cache (block_table)")
+        q, k, v, out, softmax_lse, rng_state, *seqlens = ctx.saved_tensors
+        (dout,) = _pad_head_dim(dout)
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq = torch.empty_like(q) if dq is None else dq
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+        common = (st["dropout_p"], st["softmax_scale"], st["causal"], *st["window_size"],
+                  st["softcap"], st["alibi_slopes"], st["deterministic"], rng_state)
+        if st["varlen"]:
+            torch.ops.flash_attn._flash_attn_varlen_backward(
+                dout, q, k, v, out, softmax_lse, dq, dk, dv, *seqlens, *st["max_seqlens"], *common)
+        else:
+            torch.ops.flash_attn._flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv,
+                                                      *common)
+        return dq, dk, dv
+
+    @staticmethod
+    def _unpacked(ctx, dout):
+        head_dim = ctx.settings["head_dim"]
+        return tuple(g[..., :head_dim] for g in _FlashAttnBase._grads(ctx, dout))
+
+    @staticmethod
+    def _packed(ctx, dout, dim, first):
+        """The gradients of the unpacked inputs (the first `first` of q, k, v) and of the packed
+        one (the rest, stacked along dim). Without head-dim padding the kernel writes straight into
+        views of the packed buffer, so no copy is made."""
+        head_dim = ctx.settings["head_dim"]
+        if head_dim % 8 != 0:
+            grads = _FlashAttnBase._unpacked(ctx, dout)
+            return grads[:first] + (torch.stack(grads[first:], dim=dim),)
+        member = ctx.saved_tensors[first]  # every member of the packed input has its shape
+        shape = list(member.shape)
+        shape.insert(dim, 3 - first)
+        packed = member.new_empty(shape)
+        grads = _FlashAttnBase._grads(ctx, dout, *([None] * first), *packed.unbind(dim))
+        return grads[:first] + (packed,)
 
 
 class FlashAttnFunc(_FlashAttnBase):
@@ -235,6 +341,10 @@ class FlashAttnFunc(_FlashAttnBase):
                                    window_size, softcap, alibi_slopes, deterministic,
                                    return_softmax, is_grad_enabled, needs)
 
+    @staticmethod
+    def backward(ctx, dout, *_):
+        return _FlashAttnBase._unpacked(ctx, dout) + (None,) * 9
+
 
 class FlashAttnQKVPackedFunc(_FlashAttnBase):
     @staticmethod
@@ -244,6 +354,10 @@ class FlashAttnQKVPackedFunc(_FlashAttnBase):
         return _FlashAttnBase._run(ctx, q, k, v, None, dropout_p, softmax_scale, causal,
                                    window_size, softcap, alibi_slopes, deterministic,
                                    return_softmax, is_grad_enabled, qkv.requires_grad)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        return _FlashAttnBase._packed(ctx, dout, dim=2, first=0) + (None,) * 9
 
 
 class FlashAttnKVPackedFunc(_FlashAttnBase):
@@ -255,6 +369,10 @@ class FlashAttnKVPackedFunc(_FlashAttnBase):
         return _FlashAttnBase._run(ctx, q, k, v, None, dropout_p, softmax_scale, causal,
                                    window_size, softcap, alibi_slopes, deterministic,
                                    return_softmax, is_grad_enabled, needs)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        return _FlashAttnBase._packed(ctx, dout, dim=2, first=1) + (None,) * 9
 
 
 class FlashAttnVarlenFunc(_FlashAttnBase):
@@ -268,6 +386,10 @@ class FlashAttnVarlenFunc(_FlashAttnBase):
                                    window_size, softcap, alibi_slopes, deterministic,
                                    return_softmax, is_grad_enabled, needs)
 
+    @staticmethod
+    def backward(ctx, dout, *_):
+        return _FlashAttnBase._unpacked(ctx, dout) + (None,) * 14
+
 
 class FlashAttnVarlenQKVPackedFunc(_FlashAttnBase):
     @staticmethod
@@ -278,6 +400,10 @@ class FlashAttnVarlenQKVPackedFunc(_FlashAttnBase):
         return _FlashAttnBase._run(ctx, q, k, v, varlen_args, dropout_p, softmax_scale, causal,
                                    window_size, softcap, alibi_slopes, deterministic,
                                    return_softmax, is_grad_enabled, qkv.requires_grad)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        return _FlashAttnBase._packed(ctx, dout, dim=1, first=0) + (None,) * 11
 
 
 class FlashAttnVarlenKVPackedFunc(_FlashAttnBase):
@@ -291,6 +417,10 @@ class FlashAttnVarlenKVPackedFunc(_FlashAttnBase):
         return _FlashAttnBase._run(ctx, q, k, v, varlen_args, dropout_p, softmax_scale, causal,
                                    window_size, softcap, alibi_slopes, deterministic,
                                    return_softmax, is_grad_enabled, needs)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        return _FlashAttnBase._packed(ctx, dout, dim=1, first=1) + (None,) * 13
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // The torch binding of the attention kernels (module flash_attn_2_cuda): argument checks,
 // allocation, one params struct, dispatch. The only attention file that includes torch.
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <optional>
@@ -51,6 +52,8 @@ void check_q(const at::Tensor &q, int64_t rank) {
     FLASH_CHECK(props->major >= 8, "needs an sm80 (Ampere) or newer GPU, got sm", props->major, props->minor);
     FLASH_CHECK(flash::compiled_dtype(q.scalar_type() == at::kBFloat16), "the ", q.scalar_type(),
                 " kernels are not compiled in this build (rebuild with FLASH_ATTN_DTYPES including it)");
+    FLASH_CHECK(flash::kernel_head_dim(int(head_dim)) > 0, "no compiled kernel holds head dim ", head_dim,
+                " (rebuild with FLASH_ATTN_HDIMS including a larger head dim)");
 }
 
 // Everything of AttentionParams that does not depend on the input layout.
@@ -74,6 +77,7 @@ void set_common_params(flash::AttentionParams &params, const at::Tensor &q, cons
     params.seqlen_k_rounded = int(round_up(seqlen_k, 128));
 
     FLASH_CHECK(softcap >= 0.f, "softcap must be >= 0, got ", softcap);
+    params.softmax_scale = softmax_scale;
     if (softcap > 0.f) {
         params.softcap = softcap;
         params.softcap_input_scale = softmax_scale / softcap;
@@ -267,10 +271,213 @@ std::vector<at::Tensor> mha_varlen_fwd(
     return {out, softmax_lse, p, rng_state};
 }
 
+// ---- backward ---------------------------------------------------------------------------------
+
+// The gradient buffers of the backward: dq/dk/dv given by the caller or new; dk/dv per query head
+// when GQA groups them (summed after the kernel); the fp32 dq accumulator; softmax_d.
+struct BackwardBuffers {
+    at::Tensor dq, dk, dv, dk_expanded, dv_expanded, dq_accum, softmax_d;
+};
+
+at::Tensor grad_or_new(const std::optional<at::Tensor> &grad_, const char *name, const at::Tensor &like) {
+    if (!grad_.has_value()) { return at::empty_like(like); }
+    check_like_q(grad_.value(), name, like, like.sizes());
+    return grad_.value();
+}
+
+// Fills the backward part of params: dO, the gradients, the dq accumulator and its splits, and
+// the dropout stream replayed from the forward's rng_state.
+void set_backward_params(flash::AttentionParams &params, const at::Tensor &q, const at::Tensor &dout,
+                         BackwardBuffers &buf, const at::Tensor &rng_state, bool deterministic,
+                         int64_t accum_rows) {
+    params.do_ptr = dout.data_ptr();
+    params.dq_ptr = buf.dq.data_ptr();
+    params.dk_ptr = buf.dk_expanded.data_ptr();
+    params.dv_ptr = buf.dv_expanded.data_ptr();
+    params.softmax_d_ptr = buf.softmax_d.data_ptr<float>();
+    // Deterministic: about one CTA per SM in all, each walking its own key blocks into its own
+    // dq_accum split; the splits are summed in a fixed order.
+    const int kernel_head_dim = flash::kernel_head_dim(params.head_dim);
+    const int n_blocks = int((params.seqlen_k + flash::backward_block_n(kernel_head_dim) - 1) /
+                             flash::backward_block_n(kernel_head_dim));
+    const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+    params.deterministic = deterministic;
+    params.num_splits = deterministic ? std::max(1, std::min(n_blocks, (sms + params.batch * params.heads - 1) /
+                                                                          std::max(1, params.batch * params.heads)))
+                                      : 1;
+    buf.dq_accum = at::zeros({params.num_splits, accum_rows, params.heads, kernel_head_dim},
+                             q.options().dtype(at::kFloat));
+    params.dq_accum_ptr = buf.dq_accum.data_ptr<float>();
+    params.dq_accum_split_stride = buf.dq_accum.stride(0);
+    params.dq_accum_row_stride = buf.dq_accum.stride(1);
+    params.dq_accum_head_stride = buf.dq_accum.stride(2);
+    if (params.p_dropout < 1.f) {
+        FLASH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong && rng_state.device() == q.device(),
+                    "rng_state must be the (2,) int64 tensor the forward returned, got ", rng_state.sizes(), " ",
+                    rng_state.scalar_type());
+        // The forward wrote its seed and offset there; the kernel reads them back.
+        params.philox.captured = true;
+        params.philox.seed_ptr = rng_state.data_ptr<int64_t>();
+        params.philox.offset_ptr = rng_state.data_ptr<int64_t>() + 1;
+        params.philox.offset_intragraph = 0;
+    }
+}
+
+// Sums the per-query-head dk/dv of each GQA group into dk/dv.
+void reduce_gqa_groups(BackwardBuffers &buf, int64_t heads_k) {
+    if (buf.dk_expanded.is_same(buf.dk)) { return; }
+    auto sizes = buf.dk_expanded.sizes().vec();  // (..., heads, head_dim)
+    const int64_t group = sizes[sizes.size() - 2] / heads_k;
+    sizes[sizes.size() - 2] = heads_k;
+    sizes.insert(sizes.end() - 1, group);
+    at::sum_out(buf.dk, buf.dk_expanded.view(sizes), {int64_t(sizes.size()) - 2});
+    at::sum_out(buf.dv, buf.dv_expanded.view(sizes), {int64_t(sizes.size()) - 2});
+}
+
+BackwardBuffers make_backward_buffers(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                                      const std::optional<at::Tensor> &dq_, const std::optional<at::Tensor> &dk_,
+                                      const std::optional<at::Tensor> &dv_, at::IntArrayRef lse_shape) {
+    BackwardBuffers buf;
+    buf.dq = grad_or_new(dq_, "dq", q);
+    buf.dk = grad_or_new(dk_, "dk", k);
+    buf.dv = grad_or_new(dv_, "dv", v);
+    const bool grouped = q.size(-2) != k.size(-2);
+    auto expanded_shape = k.sizes().vec();
+    expanded_shape[expanded_shape.size() - 2] = q.size(-2);
+    buf.dk_expanded = grouped ? at::empty(expanded_shape, k.options()) : buf.dk;
+    buf.dv_expanded = grouped ? at::empty(expanded_shape, v.options()) : buf.dv;
+    buf.softmax_d = at::empty(lse_shape, q.options().dtype(at::kFloat));
+    return buf;
+}
+
+void set_grad_strides(flash::AttentionParams &params, const BackwardBuffers &buf, const at::Tensor &dout,
+                      bool varlen) {
+    const int r = varlen ? 0 : 1;  // index of the row dimension
+    if (!varlen) {
+        params.do_batch_stride = dout.stride(0);
+        params.dq_batch_stride = buf.dq.stride(0);
+        params.dk_batch_stride = buf.dk_expanded.stride(0);
+        params.dv_batch_stride = buf.dv_expanded.stride(0);
+    }
+    params.do_row_stride = dout.stride(r), params.do_head_stride = dout.stride(r + 1);
+    params.dq_row_stride = buf.dq.stride(r), params.dq_head_stride = buf.dq.stride(r + 1);
+    params.dk_row_stride = buf.dk_expanded.stride(r), params.dk_head_stride = buf.dk_expanded.stride(r + 1);
+    params.dv_row_stride = buf.dv_expanded.stride(r), params.dv_head_stride = buf.dv_expanded.stride(r + 1);
+}
+
+// dout, q, k, v, out (b, s, h, d), softmax_lse (b, h, s_q) -> dq, dk, dv, softmax_d (b, h, s_q).
+std::vector<at::Tensor> mha_bwd(const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k,
+                                const at::Tensor &v, const at::Tensor &out, const at::Tensor &softmax_lse,
+                                std::optional<at::Tensor> dq_, std::optional<at::Tensor> dk_,
+                                std::optional<at::Tensor> dv_, std::optional<at::Tensor> alibi_slopes_,
+                                double p_dropout, double softmax_scale, bool is_causal, int64_t window_size_left,
+                                int64_t window_size_right, double softcap, bool deterministic,
+                                std::optional<at::Generator> gen_, std::optional<at::Tensor> rng_state_) {
+    check_q(q, 4);
+    const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
+    FLASH_CHECK(k.dim() == 4, "k must be 4-D (batch, seqlen_k, heads_k, head_dim), got shape ", k.sizes());
+    const int64_t seqlen_k = k.size(1), heads_k = k.size(2);
+    check_like_q(k, "k", q, {batch, seqlen_k, heads_k, head_dim});
+    check_like_q(v, "v", q, {batch, seqlen_k, heads_k, head_dim});
+    check_like_q(out, "out", q, q.sizes());
+    check_like_q(dout, "dout", q, q.sizes());
+    check_heads(q, k);
+    FLASH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.sizes() == at::IntArrayRef({batch, heads, seqlen_q}) &&
+                    softmax_lse.is_contiguous(),
+                "softmax_lse must be the contiguous float32 (batch, heads, seqlen_q) tensor of the forward, got ",
+                softmax_lse.sizes());
+    at::cuda::CUDAGuard device_guard{q.device()};
+    (void)gen_;  // the dropout stream is replayed from rng_state
+
+    BackwardBuffers buf = make_backward_buffers(q, k, v, dq_, dk_, dv_, {batch, heads, seqlen_q});
+    flash::AttentionParams params;
+    set_common_params(params, q, k, out, softmax_lse, int(batch), int(seqlen_q), int(seqlen_k),
+                      float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
+                      int(window_size_right), float(softcap), alibi_slopes_);
+    params.k_ptr = k.data_ptr();
+    params.v_ptr = v.data_ptr();
+    params.q_batch_stride = q.stride(0), params.q_row_stride = q.stride(1), params.q_head_stride = q.stride(2);
+    params.k_batch_stride = k.stride(0), params.k_row_stride = k.stride(1), params.k_head_stride = k.stride(2);
+    params.v_batch_stride = v.stride(0), params.v_row_stride = v.stride(1), params.v_head_stride = v.stride(2);
+    params.o_batch_stride = out.stride(0), params.o_row_stride = out.stride(1), params.o_head_stride = out.stride(2);
+    params.total_q = int(batch * seqlen_q);
+    set_grad_strides(params, buf, dout, false);
+    set_backward_params(params, q, dout, buf, rng_state_.value_or(at::Tensor()), deterministic,
+                        batch * round_up(seqlen_q, 128));
+    params.dq_accum_batch_stride = round_up(seqlen_q, 128) * params.dq_accum_row_stride;
+
+    if (q.numel() > 0 && seqlen_k > 0) {
+        flash::run_mha_bwd(params, at::cuda::getCurrentCUDAStream().stream());
+        reduce_gqa_groups(buf, heads_k);
+    } else {
+        buf.dq.zero_(), buf.dk.zero_(), buf.dv.zero_(), buf.softmax_d.zero_();
+    }
+    return {buf.dq, buf.dk, buf.dv, buf.softmax_d};
+}
+
+// The varlen form: q/dout/out (total_q, h, d), k/v (total_k, h_k, d), softmax_lse (h, total_q).
+std::vector<at::Tensor> mha_varlen_bwd(
+    const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &out,
+    const at::Tensor &softmax_lse, std::optional<at::Tensor> dq_, std::optional<at::Tensor> dk_,
+    std::optional<at::Tensor> dv_, const at::Tensor &cu_seqlens_q, const at::Tensor &cu_seqlens_k,
+    std::optional<at::Tensor> alibi_slopes_, int64_t max_seqlen_q, int64_t max_seqlen_k, double p_dropout,
+    double softmax_scale, bool zero_tensors, bool is_causal, int64_t window_size_left, int64_t window_size_right,
+    double softcap, bool deterministic, std::optional<at::Generator> gen_, std::optional<at::Tensor> rng_state_) {
+    check_q(q, 3);
+    const int64_t total_q = q.size(0), heads = q.size(1), head_dim = q.size(2);
+    const int64_t batch = cu_seqlens_q.numel() - 1;
+    FLASH_CHECK(batch >= 0, "cu_seqlens_q must have batch + 1 >= 1 entries");
+    check_int32(cu_seqlens_q, "cu_seqlens_q", q, {batch + 1});
+    check_int32(cu_seqlens_k, "cu_seqlens_k", q, {batch + 1});
+    FLASH_CHECK(k.dim() == 3, "k must be 3-D (total_k, heads_k, head_dim), got shape ", k.sizes());
+    const int64_t heads_k = k.size(1);
+    check_like_q(k, "k", q, {k.size(0), heads_k, head_dim});
+    check_like_q(v, "v", q, k.sizes());
+    check_like_q(out, "out", q, q.sizes());
+    check_like_q(dout, "dout", q, q.sizes());
+    check_heads(q, k);
+    FLASH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.sizes() == at::IntArrayRef({heads, total_q}) &&
+                    softmax_lse.is_contiguous(),
+                "softmax_lse must be the contiguous float32 (heads, total_q) tensor of the forward, got ",
+                softmax_lse.sizes());
+    at::cuda::CUDAGuard device_guard{q.device()};
+    (void)gen_;
+
+    BackwardBuffers buf = make_backward_buffers(q, k, v, dq_, dk_, dv_, {heads, total_q});
+    if (zero_tensors) { buf.dq.zero_(), buf.dk.zero_(), buf.dv.zero_(); }
+    flash::AttentionParams params;
+    set_common_params(params, q, k, out, softmax_lse, int(batch), int(max_seqlen_q), int(max_seqlen_k),
+                      float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
+                      int(window_size_right), float(softcap), alibi_slopes_);
+    params.k_ptr = k.data_ptr();
+    params.v_ptr = v.data_ptr();
+    params.q_row_stride = q.stride(0), params.q_head_stride = q.stride(1);
+    params.k_row_stride = k.stride(0), params.k_head_stride = k.stride(1);
+    params.v_row_stride = v.stride(0), params.v_head_stride = v.stride(1);
+    params.o_row_stride = out.stride(0), params.o_head_stride = out.stride(1);
+    params.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
+    params.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
+    params.total_q = int(total_q);
+    set_grad_strides(params, buf, dout, true);
+    // Rows past a sequence's end in its last query block spill into the next sequence's rows (or
+    // 128 spare rows at the end) and only ever add exact zeros there.
+    set_backward_params(params, q, dout, buf, rng_state_.value_or(at::Tensor()), deterministic, total_q + 128);
+
+    if (total_q > 0 && batch > 0 && max_seqlen_q > 0 && max_seqlen_k > 0) {
+        flash::run_mha_bwd(params, at::cuda::getCurrentCUDAStream().stream());
+        reduce_gqa_groups(buf, heads_k);
+    } else {
+        buf.dq.zero_(), buf.dk.zero_(), buf.dv.zero_(), buf.softmax_d.zero_();
+    }
+    return {buf.dq, buf.dk, buf.dv, buf.softmax_d};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash_attn: exact tiled attention kernels (CUDA)";
     m.def("fwd", &mha_fwd, "Attention forward, (batch, seqlen, heads, head_dim) inputs");
     m.def("varlen_fwd", &mha_varlen_fwd, "Attention forward, variable-length (total, heads, head_dim) inputs");
+    m.def("bwd", &mha_bwd, "Attention backward, (batch, seqlen, heads, head_dim) inputs");
+    m.def("varlen_bwd", &mha_varlen_bwd, "Attention backward, variable-length (total, heads, head_dim) inputs");
 }

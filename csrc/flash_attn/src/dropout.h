@@ -3,7 +3,9 @@
 // The random number of an element depends only on its position. Rows and columns are cut in
 // 16x16 cells; inside a cell the eight elements that one lane holds in the m16n8 accumulator
 // layout (rows r and r + 8, columns 2c, 2c + 1, 2c + 8, 2c + 9, with lane = 4r + c) share one
-// Philox call and take one 16-bit half each. Philox counter: high word = (batch, head, cell row),
+// Philox call and take one 16-bit half each. Any tiled MMA whose warps own 16-column slices
+// (two adjacent n8 atoms) holds whole cells per lane, so forward and backward kernels with
+// different tilings draw the same mask. Philox counter: high word = (batch, head, cell row),
 // low word = offset + 32 * cell column + lane, so one launch uses 32 * (seqlen_k_rounded / 16)
 // consecutive offsets per (batch, head, cell row): dropout_offsets_per_launch in flash.h.
 #pragma once
@@ -32,20 +34,25 @@ struct Dropout {
                              offset + uint64_t(cell_col) * 32 + uint64_t(lane));
     }
 
-    // scores: this thread's (rows, cols) view of the tile, after exp. row16/col16: the 16-aligned
-    // row of atom mi = 0 and column of atom nj = 0; atoms step by row_stride rows and 8 columns.
-    // Dropped elements become 0. With Write_probs, every element is also stored, negated when
-    // dropped, to s_dmask (the (batch, head) matrix of S_dmask, ld = its row length).
-    template <bool Write_probs, typename Element, typename Tensor>
-    __device__ __forceinline__ void apply(Tensor &scores, int row16, int col16, int row_stride, int lane,
-                                          Element *s_dmask, int64_t ld) const {
-        static_assert(decltype(size<1, 1>(scores))::value % 2 == 0);
+    // scores: this thread's (rows, cols) view of an m16n8 accumulator tile, after exp; coords:
+    // the (row, col) of each element inside the tile, which starts at (row_offset, col_offset).
+    // Dropped elements become 0 (Negate_dropped: -p, which keeps p for the backward's dS).
+    // With Write_probs every element is also stored, negated when dropped, to s_dmask (the
+    // (batch, head) matrix of S_dmask, ld = its row length).
+    template <bool Negate_dropped, bool Write_probs, typename Element, typename TS, typename TC>
+    __device__ __forceinline__ void apply(TS &scores, TC const &coords, int row_offset, int col_offset,
+                                          int lane, Element *s_dmask, int64_t ld) const {
+        // Rows: (2 halves, atoms); columns: (2 of a pair, atoms), atoms 2c and 2c + 1 side by side.
+        constexpr int kAtomsM = decltype(size<0, 1>(scores))::value;
+        constexpr int kAtomsN = decltype(size<1, 1>(scores))::value;
+        static_assert(kAtomsN % 2 == 0);
         CUTE_UNROLL
-        for (int mi = 0; mi < size<0, 1>(scores); ++mi) {
-            const int cell_row_start = row16 + mi * row_stride;
+        for (int mi = 0; mi < kAtomsM; ++mi) {
             CUTE_UNROLL
-            for (int c = 0; c < size<1, 1>(scores) / 2; ++c) {
-                const uint4 bits = random_cell(cell_row_start / 16, col16 / 16 + c, lane);
+            for (int c = 0; c < kAtomsN / 2; ++c) {
+                const auto first = coords(make_coord(0, mi), make_coord(0, 2 * c));
+                const uint4 bits = random_cell((row_offset + get<0>(first)) / 16,
+                                               (col_offset + get<1>(first)) / 16, lane);
                 const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
                 CUTE_UNROLL
                 for (int i = 0; i < 2; ++i) {
@@ -60,12 +67,11 @@ struct Dropout {
                             float &p = scores(make_coord(i, mi), make_coord(j, nj));
                             const bool keep = r < keep_threshold;
                             if constexpr (Write_probs) { kept_or_not[j] = Element(keep ? p : -p); }
-                            if (!keep) { p = 0.f; }
+                            if (!keep) { p = Negate_dropped ? -p : 0.f; }
                         }
                         if constexpr (Write_probs) {
-                            const int row = cell_row_start + lane / 4 + i * 8;
-                            const int col = col16 + nj * 8 + (lane % 4) * 2;
-                            Element *dst = s_dmask + row * ld + col;
+                            const auto pos = coords(make_coord(i, mi), make_coord(0, nj));
+                            Element *dst = s_dmask + int64_t(row_offset + get<0>(pos)) * ld + col_offset + get<1>(pos);
                             dst[0] = kept_or_not[0];
                             dst[1] = kept_or_not[1];
                         }

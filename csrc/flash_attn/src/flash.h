@@ -81,6 +81,29 @@ struct AttentionParams {
     PhiloxState philox;
     int64_t *__restrict__ rng_state = nullptr;  // (2,): the seed and offset actually used
 
+    // Backward. dO is laid out like O; dq like q; dk/dv (batch, seqlen_k, heads, head_dim) hold
+    // one gradient per query head (the binding sums a GQA group). dq accumulates in fp32 in
+    // dq_accum (num_splits, batch, seqlen_q_rounded, heads, kernel head dim), or for varlen
+    // (num_splits, total_q + 128, heads, kernel head dim); softmax_d = rowsum(dO * O) is laid out
+    // like softmax_lse.
+    void *__restrict__ do_ptr = nullptr;
+    index_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+    void *__restrict__ dq_ptr = nullptr;
+    void *__restrict__ dk_ptr = nullptr;
+    void *__restrict__ dv_ptr = nullptr;
+    index_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+    index_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+    index_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+    float *__restrict__ dq_accum_ptr = nullptr;
+    index_t dq_accum_split_stride = 0, dq_accum_batch_stride = 0, dq_accum_row_stride = 0,
+            dq_accum_head_stride = 0;
+    float *__restrict__ softmax_d_ptr = nullptr;
+    // deterministic: num_splits CTAs per (batch, head) each walk their own key blocks and add into
+    // their own dq_accum slice in a fixed order; otherwise one CTA per key block, one slice.
+    int num_splits = 1;
+    bool deterministic = false;
+    float softmax_scale = 1.f;  // the caller's scale of q k^T (scale_softmax is softcap with softcap)
+
     bool is_bf16 = false;
 };
 
@@ -93,10 +116,14 @@ inline constexpr int64_t dropout_offsets_per_launch(int seqlen_k_rounded) {
 // Launches the forward kernel chosen by (dtype, head dim, dropout, mask) for these params.
 void run_mha_fwd(AttentionParams &params, cudaStream_t stream);
 
-// Head dims with compiled kernels, ascending; the binding runs a head dim on the smallest
-// compiled one that is at least as large.
-int num_compiled_head_dims();
-int compiled_head_dim(int i);
+// Launches the backward: rowsum(dO * O), the dK/dV/dQ kernel, and dq_accum -> dq.
+void run_mha_bwd(AttentionParams &params, cudaStream_t stream);
+
+// The head dim of the kernel that runs inputs of this head dim: the smallest compiled one that
+// holds it, or 0 when none does.
+int kernel_head_dim(int head_dim);
 bool compiled_dtype(bool is_bf16);
+// Key-block size of the backward kernel (the binding sizes the deterministic dq_accum by it).
+int backward_block_n(int kernel_head_dim);
 
 }  // namespace flash

@@ -1,5 +1,5 @@
-// Chooses the compiled forward kernel for a launch: dtype, head dim (the smallest compiled one
-// that holds the input's), dropout on or off, mask (causal / window) on or off.
+// Chooses the compiled kernels for a launch: dtype, head dim (the smallest compiled one that
+// holds the input's), and for the forward dropout on or off and mask (causal / window) on or off.
 #include <stdexcept>
 #include <string>
 
@@ -7,12 +7,15 @@
 
 #include "flash.h"
 #include "generated/compiled_kernels.h"
+#include "tile_sizes.h"
 
 namespace flash {
 
 // Defined by the generated instantiation units.
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 void run_mha_fwd_(AttentionParams &params, cudaStream_t stream);
+template <typename Element, int kHeadDim, bool Is_masked>
+void run_mha_bwd_(AttentionParams &params, cudaStream_t stream);
 
 namespace {
 
@@ -21,7 +24,7 @@ constexpr int kCompiledHeadDims[] = {FLASH_FOR_EACH_COMPILED_HEAD_DIM(FLASH_LIST
 #undef FLASH_LIST_ENTRY
 
 template <typename Element, int kHeadDim>
-void run_with_flags(AttentionParams &params, cudaStream_t stream) {
+void run_fwd_with_flags(AttentionParams &params, cudaStream_t stream) {
     const bool dropout = params.p_dropout < 1.f;
     if (dropout) {
         if (params.is_masked) { run_mha_fwd_<Element, kHeadDim, true, true>(params, stream); }
@@ -32,42 +35,78 @@ void run_with_flags(AttentionParams &params, cudaStream_t stream) {
     }
 }
 
-template <typename Element>
-void run_with_head_dim(AttentionParams &params, cudaStream_t stream, int kernel_head_dim) {
-    switch (kernel_head_dim) {
-#define FLASH_HEAD_DIM_CASE(D) case D: return run_with_flags<Element, D>(params, stream);
-        FLASH_FOR_EACH_COMPILED_HEAD_DIM(FLASH_HEAD_DIM_CASE)
-#undef FLASH_HEAD_DIM_CASE
+template <typename Element, int kHeadDim>
+void run_bwd_with_flags(AttentionParams &params, cudaStream_t stream) {
+    if (params.is_masked) { run_mha_bwd_<Element, kHeadDim, true>(params, stream); }
+    else { run_mha_bwd_<Element, kHeadDim, false>(params, stream); }
+}
+
+struct ForwardLaunch {
+    AttentionParams &params;
+    cudaStream_t stream;
+    template <typename Element, int kHeadDim> void operator()() const { run_fwd_with_flags<Element, kHeadDim>(params, stream); }
+};
+
+struct BackwardLaunch {
+    AttentionParams &params;
+    cudaStream_t stream;
+    template <typename Element, int kHeadDim> void operator()() const { run_bwd_with_flags<Element, kHeadDim>(params, stream); }
+};
+
+// Calls launch.template operator()<Element, kHeadDim>() for the params' dtype and head dim.
+template <typename Launch>
+void dispatch(AttentionParams &params, Launch launch) {
+    const int head_dim = kernel_head_dim(params.head_dim);
+    if (head_dim == 0) {
+        throw std::runtime_error("flash_attn: no compiled kernel holds head dim " + std::to_string(params.head_dim) +
+                                 " (rebuild with FLASH_ATTN_HDIMS including a larger head dim)");
     }
-    throw std::runtime_error("flash_attn: internal error: no kernel for head dim " + std::to_string(kernel_head_dim));
+    if (!compiled_dtype(params.is_bf16)) {
+        throw std::runtime_error(std::string("flash_attn: the ") + (params.is_bf16 ? "bf16" : "fp16") +
+                                 " kernels are not compiled in this build (rebuild with FLASH_ATTN_DTYPES including it)");
+    }
+    auto with_dtype = [&](auto element) {
+        using Element = decltype(element);
+        switch (head_dim) {
+#define FLASH_HEAD_DIM_CASE(D) case D: return launch.template operator()<Element, D>();
+            FLASH_FOR_EACH_COMPILED_HEAD_DIM(FLASH_HEAD_DIM_CASE)
+#undef FLASH_HEAD_DIM_CASE
+        }
+    };
+#if FLASH_COMPILED_BF16
+    if (params.is_bf16) { return with_dtype(cutlass::bfloat16_t{}); }
+#endif
+#if FLASH_COMPILED_FP16
+    if (!params.is_bf16) { return with_dtype(cutlass::half_t{}); }
+#endif
 }
 
 }  // namespace
 
-int num_compiled_head_dims() { return int(sizeof(kCompiledHeadDims) / sizeof(int)); }
-int compiled_head_dim(int i) { return kCompiledHeadDims[i]; }
+int kernel_head_dim(int head_dim) {
+    for (int d : kCompiledHeadDims) {
+        if (d >= head_dim) { return d; }
+    }
+    return 0;
+}
+
 bool compiled_dtype(bool is_bf16) { return is_bf16 ? FLASH_COMPILED_BF16 : FLASH_COMPILED_FP16; }
 
+int backward_block_n(int head_dim) {
+    switch (head_dim) {
+#define FLASH_HEAD_DIM_CASE(D) case D: return BackwardTile<D>::kBlockN;
+        FLASH_FOR_EACH_COMPILED_HEAD_DIM(FLASH_HEAD_DIM_CASE)
+#undef FLASH_HEAD_DIM_CASE
+    }
+    return 0;
+}
+
 void run_mha_fwd(AttentionParams &params, cudaStream_t stream) {
-    int kernel_head_dim = 0;
-    for (int d : kCompiledHeadDims) {
-        if (d >= params.head_dim) { kernel_head_dim = d; break; }
-    }
-    if (kernel_head_dim == 0) {
-        throw std::runtime_error("flash_attn: no compiled kernel holds head dim " + std::to_string(params.head_dim) +
-                                 " (rebuild with FLASH_ATTN_HDIMS including a larger head dim)");
-    }
-    if (params.is_bf16) {
-#if FLASH_COMPILED_BF16
-        return run_with_head_dim<cutlass::bfloat16_t>(params, stream, kernel_head_dim);
-#endif
-    } else {
-#if FLASH_COMPILED_FP16
-        return run_with_head_dim<cutlass::half_t>(params, stream, kernel_head_dim);
-#endif
-    }
-    throw std::runtime_error(std::string("flash_attn: the ") + (params.is_bf16 ? "bf16" : "fp16") +
-                             " kernels are not compiled in this build (rebuild with FLASH_ATTN_DTYPES including it)");
+    dispatch(params, ForwardLaunch{params, stream});
+}
+
+void run_mha_bwd(AttentionParams &params, cudaStream_t stream) {
+    dispatch(params, BackwardLaunch{params, stream});
 }
 
 }  // namespace flash

@@ -83,13 +83,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
-    constexpr int kHeadDim = Traits::kHeadDim, kNWarps = Traits::kNWarps;
+    constexpr int kHeadDim = Traits::kHeadDim;
 
     extern __shared__ char smem[];
     // Heaviest query blocks first (under a causal mask the last rows see the most keys), so that
     // the light ones fill the tail of the grid.
     const int m_block = gridDim.x - 1 - blockIdx.x, bidb = blockIdx.y, bidh = blockIdx.z;
-    const int tidx = threadIdx.x, lane = tidx % 32, warp = tidx / 32;
+    const int tidx = threadIdx.x, lane = tidx % 32;
 
     if constexpr (Is_dropout) {
         if (m_block == 0 && bidb == 0 && bidh == 0 && tidx == 0) {
@@ -202,11 +202,9 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
     Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
 
-    // This thread's first score element: row (warp, lane / 4) of the first m16 atom, column
-    // pair lane % 4 of the first n8 atom; atoms of one thread are kNWarps * 16 rows apart.
-    constexpr int kRowStride = kNWarps * 16;
-    const int row16 = m_block * kBlockM + warp * 16;
-    const int row0 = row16 + lane / 4;
+    // (row, col) inside the tile of each score element this thread holds, as (rows, cols).
+    Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
 
     const AttentionMask mask{seq.seqlen_k, diag, params.window_size_left, params.window_size_right,
                              params.alibi_slopes_ptr == nullptr ? 0.f
@@ -247,17 +245,17 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
         // Score modifications, in flash-attn's order: softcap, ALiBi, then the mask. Interior
         // tiles of plain attention skip all of it with one uniform branch.
-        const bool needs_mask = mask.tile_needs_mask<Is_masked, kBlockM, kBlockN>(m_block, n_block);
+        const bool needs_mask = mask.tile_needs_mask<Is_masked>(
+            m_block * kBlockM, (m_block + 1) * kBlockM - 1, n_block * kBlockN, (n_block + 1) * kBlockN - 1);
         if (has_softcap || has_alibi || needs_mask) {
             if (has_softcap) {
                 CUTE_UNROLL
                 for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = fast_tanh(acc_s(i) * params.softcap_input_scale); }
             }
-            const int col0 = n_block * kBlockN + (lane % 4) * 2;
             if (has_alibi) {
-                mask.apply<Is_masked, true>(scores, row0, col0, kRowStride, needs_mask);
+                mask.apply<Is_masked, true>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, needs_mask);
             } else if (needs_mask) {
-                mask.apply<Is_masked, false>(scores, row0, col0, kRowStride, true);
+                mask.apply<Is_masked, false>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, true);
             }
         }
 
@@ -271,11 +269,11 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         softmax.update(scores, acc_o_rowcol, params.scale_softmax_log2);
         if constexpr (Is_dropout) {
             if (s_dmask != nullptr) {
-                dropout.apply<true>(scores, row16, n_block * kBlockN, kRowStride, lane, s_dmask,
-                                    params.seqlen_k_rounded);
+                dropout.apply<false, true>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, lane,
+                                           s_dmask, params.seqlen_k_rounded);
             } else {
-                dropout.apply<false>(scores, row16, n_block * kBlockN, kRowStride, lane, s_dmask,
-                                     params.seqlen_k_rounded);
+                dropout.apply<false, false>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, lane,
+                                            s_dmask, params.seqlen_k_rounded);
             }
         }
 
@@ -298,12 +296,11 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
     cute::copy(smem_tiled_copy_O, taccOrO, taccOsO);
 
-    if (lane % 4 == 0) {
+    if (get<1>(tScS_rc(0, 0)) == 0) {  // one of the quad's lanes writes the row statistics
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-            // Row r of acc_as_rowcol is (i = r % 2, mi = r / 2).
-            const int abs_row = row0 + (r / 2) * kRowStride + (r % 2) * 8;
-            if (abs_row < seq.seqlen_q) { params.softmax_lse_ptr[lse_index(params, seq, bidb, bidh, abs_row)] = lse[r]; }
+            const int row = m_block * kBlockM + get<0>(tScS_rc(r, 0));
+            if (row < seq.seqlen_q) { params.softmax_lse_ptr[lse_index(params, seq, bidb, bidh, row)] = lse[r]; }
         }
     }
 

@@ -69,4 +69,78 @@ struct ForwardTraits {
         Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
 };
 
+// The backward kernel: one CTA owns kBlockN keys (K, V, and their dK, dV accumulators) and walks
+// the query blocks of kBlockM rows. Three tiled MMAs: S = Q K^T and dP = dO V^T (kBlockM x kBlockN),
+// dV = P^T dO and dK = dS^T Q (kBlockN x head_dim), dQ = dS K (kBlockM x head_dim); kWarpsM* say
+// how many warps split the rows of each, the rest split the columns.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMSdP, int kWarpsNdKV,
+          int kWarpsMdQ, typename Element_>
+struct BackwardTraits {
+    using Element = Element_;
+    using ElementAccum = float;
+    using index_t = int64_t;
+
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kNThreads = kNWarps * 32;
+
+    using MmaAtom = typename ForwardTraits<kHeadDim, 64, 64, 4, Element>::MmaAtom;
+    // S and dP: each warp owns 16 contiguous columns per tile (two adjacent n8 atoms), so a lane
+    // holds whole 16x16 dropout cells, exactly as in the forward kernel (see dropout.h).
+    static constexpr int kWarpsNSdP = kNWarps / kWarpsMSdP;
+    using TiledMmaSdP = TiledMMA<
+        MmaAtom, Layout<Shape<Int<kWarpsMSdP>, Int<kWarpsNSdP>, _1>>,
+        Tile<Int<16 * kWarpsMSdP>, Layout<Shape<_8, Int<kWarpsNSdP>, _2>, Stride<_1, _16, _8>>, _16>>;
+    using TiledMmadKV = TiledMMA<MmaAtom, Layout<Shape<Int<kWarpsNdKV>, Int<kNWarps / kWarpsNdKV>, _1>>,
+                                 Tile<Int<16 * kWarpsNdKV>, Int<16 * kNWarps / kWarpsNdKV>, _16>>;
+    using TiledMmadQ = TiledMMA<MmaAtom, Layout<Shape<Int<kWarpsMdQ>, Int<kNWarps / kWarpsMdQ>, _1>>,
+                                Tile<Int<16 * kWarpsMdQ>, Int<16 * kNWarps / kWarpsMdQ>, _16>>;
+    static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * kWarpsNSdP) == 0);
+    static_assert(kBlockN % (16 * kWarpsNdKV) == 0 && kHeadDim % (16 * kNWarps / kWarpsNdKV) == 0);
+    static_assert(kBlockM % (16 * kWarpsMdQ) == 0 && kHeadDim % (16 * kNWarps / kWarpsMdQ) == 0);
+
+    // Q, dO (double-buffered), K, V: rows swizzled as in the forward kernel.
+    static constexpr int kBlockKSmem = kHeadDim % 64 == 0 ? 64 : 32;
+    static constexpr int kSwizzle = kBlockKSmem == 32 ? 2 : 3;
+    using SmemLayoutAtom = decltype(composition(
+        Swizzle<kSwizzle, 3, 3>{}, Layout<Shape<_8, Int<kBlockKSmem>>, Stride<Int<kBlockKSmem>, _1>>{}));
+    using SmemLayoutQdO = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    using SmemLayoutQdOt = decltype(composition(
+        SmemLayoutQdO{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));
+    using SmemLayoutQdOtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutQdOt{}));
+    using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    using SmemLayoutKt = decltype(composition(
+        SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+    using SmemLayoutKtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
+
+    // P and dS (kBlockM x kBlockN), read back transposed as the A operands of dV and dK.
+    static constexpr int kBlockNSmemPdS = kBlockN % 64 == 0 ? 64 : 32;
+    static constexpr int kSwizzlePdS = kBlockNSmemPdS == 32 ? 2 : 3;
+    using SmemLayoutAtomPdS = decltype(composition(
+        Swizzle<kSwizzlePdS, 3, 3>{}, Layout<Shape<_8, Int<kBlockNSmemPdS>>, Stride<Int<kBlockNSmemPdS>, _1>>{}));
+    using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    using SmemLayoutPdSt = decltype(composition(
+        SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
+    using SmemLayoutPdStNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutPdSt{}));
+
+    using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+    using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+    using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+    static constexpr int kSmemQdOSize = int(size(SmemLayoutQdO{})) * int(sizeof(Element));  // one buffer
+    static constexpr int kSmemKVSize = int(size(SmemLayoutKV{})) * int(sizeof(Element));    // K or V
+    static constexpr int kSmemPdSSize = int(size(SmemLayoutPdS{})) * int(sizeof(Element));  // P or dS
+    static constexpr int kSmemSize = 4 * kSmemQdOSize + 2 * kSmemKVSize + 2 * kSmemPdSSize;
+
+    static constexpr int kGmemElemsPerLoad = int(sizeof(cute::uint128_t) / sizeof(Element));
+    static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
+    using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                  Stride<Int<kGmemThreadsPerRow>, _1>>;
+    using GmemTiledCopyQKV = decltype(make_tiled_copy(
+        Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+        Layout<Shape<_1, Int<kGmemElemsPerLoad>>>{}));
+};
+
 }  // namespace flash

@@ -26,7 +26,7 @@ struct SumOp { __device__ __forceinline__ float operator()(float a, float b) con
 // An m16n8 accumulator fragment ((2 cols, 2 rows), MMA_M, MMA_N) seen as a matrix
 // (rows = (2, MMA_M), cols = (2, MMA_N)) so that row-wise softmax code can index it.
 template <typename Layout>
-__device__ __forceinline__ constexpr auto acc_as_rowcol(Layout acc) {
+CUTE_HOST_DEVICE constexpr auto acc_as_rowcol(Layout acc) {
     static_assert(decltype(size<0>(acc))::value == 4 && decltype(rank(acc))::value == 3);
     auto l = logical_divide(acc, Shape<_2>{});  // ((2 cols, 2 rows), MMA_M, MMA_N)
     return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
@@ -35,7 +35,7 @@ __device__ __forceinline__ constexpr auto acc_as_rowcol(Layout acc) {
 // The same accumulator seen as the A operand of an m16n8k16 MMA: two n8 atoms side by side
 // hold exactly the eight registers of one k16 A fragment.
 template <typename Layout>
-__device__ __forceinline__ constexpr auto acc_as_A_operand(Layout acc) {
+CUTE_HOST_DEVICE constexpr auto acc_as_A_operand(Layout acc) {
     static_assert(decltype(size<0>(acc))::value == 4 && decltype(rank(acc))::value == 3);
     auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N/2))
     return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));

@@ -1,0 +1,43 @@
+// The launch of the backward: softmax_d, the key-block kernel, and the dq conversion. Included
+// only by the generated instantiation units (one per dtype x head dim x mask).
+#pragma once
+
+#include "cuda_check.h"
+#include "flash.h"
+#include "flash_bwd_kernel.h"
+#include "kernel_traits.h"
+#include "tile_sizes.h"
+
+namespace flash {
+
+template <typename Element, int kHeadDim, bool Is_masked>
+void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
+    using Tile = BackwardTile<kHeadDim>;
+    using Traits = BackwardTraits<kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kNWarps, Tile::kWarpsMSdP,
+                                  Tile::kWarpsNdKV, Tile::kWarpsMdQ, Element>;
+    const int num_tokens = params.cu_seqlens_q != nullptr ? params.total_q : params.batch * params.seqlen_q;
+    constexpr int kThreads = 256;
+
+    const int64_t dot_threads = int64_t(num_tokens) * params.heads * 32;
+    flash_bwd_dot_do_o_kernel<Element>
+        <<<unsigned((dot_threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(params, num_tokens);
+    check_cuda(cudaGetLastError(), "launch of the backward's rowsum(dO * O) kernel");
+
+    constexpr int kSmemSize = Traits::kSmemSize;
+    auto kernel = &flash_bwd_kernel<Traits, Is_masked>;
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize),
+               "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");
+    const int n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
+    if (n_blocks > 0) {  // no keys at all: dq_accum stays zero, so dq comes out zero
+        const dim3 grid(params.deterministic ? params.num_splits : n_blocks, params.batch, params.heads);
+        kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
+        check_cuda(cudaGetLastError(), "launch of the backward kernel");
+    }
+
+    const int64_t convert_threads = int64_t(num_tokens) * params.heads * params.head_dim;
+    flash_bwd_convert_dq_kernel<Element>
+        <<<unsigned((convert_threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(params, num_tokens);
+    check_cuda(cudaGetLastError(), "launch of the backward's dq conversion kernel");
+}
+
+}  // namespace flash

@@ -1,0 +1,124 @@
+// Host-side checks of the layout facts the attention kernels rely on, runnable without a GPU:
+// - every score element's (row, col) from the tiled MMAs (the mask's and dropout's coordinates);
+// - each lane of the forward and backward S tiles holds whole 16x16 dropout cells in the m16n8
+//   layout (rows r, r + 8; columns 2c, 2c + 1, +8), so both kernels draw the same dropout mask;
+// - Philox4x32-10 against the Random123 known-answer vectors.
+// Prints "OK" and exits 0, or prints the first mismatch and exits 1.
+#include <cstdio>
+#include <set>
+#include <utility>
+
+#include <cute/tensor.hpp>
+
+#include "kernel_traits.h"
+#include "philox.h"
+#include "tile_sizes.h"
+#include "utils.h"
+
+using namespace cute;
+
+static int failures = 0;
+#define EXPECT(cond, ...)                                                    \
+    do {                                                                     \
+        if (!(cond)) {                                                       \
+            if (failures++ < 10) { std::printf(__VA_ARGS__); std::printf("\n"); } \
+        }                                                                    \
+    } while (0)
+
+// Every element of a (kM x kN) S tile is held by exactly one thread, and each lane's elements
+// form whole dropout cells laid out as dropout.h assumes.
+template <typename TiledMma, int kM, int kN>
+void check_score_tile(const char *name, int threads) {
+    TiledMma tiled_mma;
+    std::set<std::pair<int, int>> seen;
+    for (int tid = 0; tid < threads; ++tid) {
+        auto thr_mma = tiled_mma.get_thread_slice(tid);
+        Tensor c = thr_mma.partition_C(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
+        Tensor rc = make_tensor(c.data(), flash::acc_as_rowcol(c.layout()));
+        const int lane = tid % 32;
+        constexpr int kAtomsM = decltype(size<0, 1>(rc))::value, kAtomsN = decltype(size<1, 1>(rc))::value;
+        static_assert(kAtomsN % 2 == 0);
+        for (int mi = 0; mi < kAtomsM; ++mi) {
+            for (int cc = 0; cc < kAtomsN / 2; ++cc) {
+                auto first = rc(make_coord(0, mi), make_coord(0, 2 * cc));
+                const int cell_row = get<0>(first) / 16, cell_col = get<1>(first) / 16;
+                for (int i = 0; i < 2; ++i) {
+                    for (int half = 0; half < 2; ++half) {
+                        for (int j = 0; j < 2; ++j) {
+                            auto p = rc(make_coord(i, mi), make_coord(j, 2 * cc + half));
+                            const int row = get<0>(p), col = get<1>(p);
+                            EXPECT(seen.insert({row, col}).second, "%s: (%d, %d) held twice", name, row, col);
+                            EXPECT(row / 16 == cell_row && col / 16 == cell_col,
+                                   "%s: tid %d element (%d, %d) outside its cell (%d, %d)", name, tid, row, col,
+                                   cell_row, cell_col);
+                            EXPECT(row % 16 == lane / 4 + 8 * i && col % 16 == 8 * half + (lane % 4) * 2 + j,
+                                   "%s: tid %d slot (i %d, half %d, j %d) at (%d, %d)", name, tid, i, half, j,
+                                   row, col);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    EXPECT(int(seen.size()) == kM * kN, "%s: %d of %d elements held", name, int(seen.size()), kM * kN);
+}
+
+template <int kHeadDim>
+void check_head_dim() {
+    using Element = cutlass::bfloat16_t;
+    using FTile = flash::ForwardTile<kHeadDim, false>;
+    using FTileDropout = flash::ForwardTile<kHeadDim, true>;
+    using Fwd = flash::ForwardTraits<kHeadDim, FTile::kBlockM, FTile::kBlockN, FTile::kNWarps, Element>;
+    using FwdDropout = flash::ForwardTraits<kHeadDim, FTileDropout::kBlockM, FTileDropout::kBlockN,
+                                            FTileDropout::kNWarps, Element>;
+    using BTile = flash::BackwardTile<kHeadDim>;
+    using Bwd = flash::BackwardTraits<kHeadDim, BTile::kBlockM, BTile::kBlockN, BTile::kNWarps, BTile::kWarpsMSdP,
+                                      BTile::kWarpsNdKV, BTile::kWarpsMdQ, Element>;
+    char name[64];
+    std::snprintf(name, sizeof(name), "forward hdim%d", kHeadDim);
+    check_score_tile<typename Fwd::TiledMma, Fwd::kBlockM, Fwd::kBlockN>(name, Fwd::kNThreads);
+    std::snprintf(name, sizeof(name), "forward+dropout hdim%d", kHeadDim);
+    check_score_tile<typename FwdDropout::TiledMma, FwdDropout::kBlockM, FwdDropout::kBlockN>(name,
+                                                                                              FwdDropout::kNThreads);
+    std::snprintf(name, sizeof(name), "backward hdim%d", kHeadDim);
+    check_score_tile<typename Bwd::TiledMmaSdP, Bwd::kBlockM, Bwd::kBlockN>(name, Bwd::kNThreads);
+    EXPECT(Bwd::kSmemSize <= 227 * 1024, "backward hdim%d needs %d bytes of shared memory", kHeadDim, Bwd::kSmemSize);
+    EXPECT(Fwd::kSmemSize <= 227 * 1024, "forward hdim%d needs %d bytes of shared memory", kHeadDim, Fwd::kSmemSize);
+}
+
+void check_philox() {
+    struct Case { uint32_t ctr[4], key[2], out[4]; };
+    const Case cases[] = {
+        {{0, 0, 0, 0}, {0, 0}, {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}},
+        {{0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff}, {0xffffffff, 0xffffffff},
+         {0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}},
+        {{0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344}, {0xa4093822, 0x299f31d0},
+         {0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}},
+    };
+    for (const Case &c : cases) {
+        const uint64_t seed = (uint64_t(c.key[1]) << 32) | c.key[0];
+        const uint64_t counter_lo = (uint64_t(c.ctr[1]) << 32) | c.ctr[0];
+        const uint64_t counter_hi = (uint64_t(c.ctr[3]) << 32) | c.ctr[2];
+        const uint4 r = flash::philox4x32_10(seed, counter_hi, counter_lo);
+        EXPECT(r.x == c.out[0] && r.y == c.out[1] && r.z == c.out[2] && r.w == c.out[3],
+               "philox(ctr %08x...) = %08x %08x %08x %08x", c.ctr[0], r.x, r.y, r.z, r.w);
+    }
+}
+
+int main() {
+    check_philox();
+    check_head_dim<32>();
+    check_head_dim<64>();
+    check_head_dim<96>();
+    check_head_dim<128>();
+    check_head_dim<160>();
+    check_head_dim<192>();
+    check_head_dim<224>();
+    check_head_dim<256>();
+    if (failures) {
+        std::printf("FAILED: %d mismatches\n", failures);
+        return 1;
+    }
+    std::printf("OK\n");
+    return 0;
+}

@@ -1,0 +1,253 @@
+"""Attention backward: gradients of the kernels against the fp32 reference of
+flash_attn.utils.testing, with the forward's error rule (|ours - fp32 ref| <= 2 * |ref in dtype -
+fp32 ref| + slack, max-abs per gradient), determinism, packed layouts, varlen, torch.compile.
+"""
+
+import pytest
+import torch
+
+import flash_attn.flash_attn_interface as interface
+from flash_attn import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from flash_attn.utils.testing import (
+    attention_ref,
+    dropout_mask_from_S_dmask,
+    generate_qkv,
+    generate_random_padding_mask,
+)
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+SLACK = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _enable_backward(monkeypatch):
+    # The kernels are under validation: these tests are what lifts the opt-in.
+    monkeypatch.setattr(interface, "backward_enabled", True)
+
+
+def _heads(mha_type, nheads=6):
+    return nheads, {"mha": nheads, "gqa": 2, "mqa": 1}[mha_type]
+
+
+def _check(name, ours, ref, pt):
+    assert not ours.isnan().any(), f"{name} has NaN"
+    err = (ours.float() - ref.float()).abs().max().item()
+    err_pt = (pt.float() - ref.float()).abs().max().item()
+    assert err <= 2 * err_pt + SLACK, f"{name}: max error {err} vs reference-in-dtype error {err_pt}"
+
+
+def _grads_ref(q, k, v, g, **kwargs):
+    out_ref, _ = attention_ref(q, k, v, **kwargs)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, reorder_ops=True, **kwargs)
+    grads_ref = torch.autograd.grad(out_ref, (q, k, v), g)
+    grads_pt = torch.autograd.grad(out_pt, (q, k, v), g)
+    return out_ref, out_pt, grads_ref, grads_pt
+
+
+def _run_and_check(batch, seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, softcap,
+                   dropout_p, deterministic=False):
+    nheads, nheads_k = _heads(mha_type)
+    q = torch.randn(batch, seqlen_q, nheads, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    window_size = (-1, -1)
+    if local:
+        left, right = torch.randint(0, max(seqlen_k, 1), (2,)).tolist()
+        window_size = (left, 0 if causal else right)
+    alibi_slopes = (torch.rand(batch, nheads, device=DEVICE) * 0.3) if alibi else None
+    out, _, S_dmask = flash_attn_func(q, k, v, dropout_p, causal=causal, window_size=window_size,
+                                      softcap=softcap, alibi_slopes=alibi_slopes,
+                                      deterministic=deterministic, return_attn_probs=True)
+    dropout_mask = dropout_mask_from_S_dmask(S_dmask, seqlen_q, seqlen_k) if dropout_p > 0 else None
+    g = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
+    out_ref, out_pt, grads_ref, grads_pt = _grads_ref(
+        q, k, v, g, dropout_p=dropout_p, dropout_mask=dropout_mask, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    _check("out", out, out_ref, out_pt)
+    for name, ours, ref, pt in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref, grads_pt):
+        assert ours.shape == ref.shape and ours.dtype == dtype
+        _check(name, ours, ref, pt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mha_type", ["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.17])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 203), (256, 97), (1025, 1024)])
+def test_backward_features(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, softcap,
+                           dropout_p):
+    torch.manual_seed(seqlen_q + 7 * seqlen_k + d)
+    _run_and_check(2, seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, softcap,
+                   dropout_p)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [32, 40, 59, 64, 96, 111, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (97, 97), (128, 128), (200, 200), (1025, 1025),
+                                               (1, 239), (3, 799), (239, 1), (799, 3), (113, 1024)])
+def test_backward_shapes(seqlen_q, seqlen_k, d, causal, dtype):
+    torch.manual_seed(seqlen_q + 3 * seqlen_k + d)
+    _run_and_check(2, seqlen_q, seqlen_k, d, dtype, "mha", causal, False, False, 0.0, 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [32, 59, 96, 111, 160, 192, 224, 256])
+@pytest.mark.parametrize("mha_type", ["mha", "gqa"])
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.17])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 147), (97, 97), (384, 256), (1024, 1025)])
+def test_backward_features_all_head_dims(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local,
+                                         alibi, softcap, dropout_p):
+    torch.manual_seed(seqlen_q + seqlen_k + d)
+    _run_and_check(2, seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, softcap,
+                   dropout_p)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [59, 64, 128])
+@pytest.mark.parametrize("mha_type", ["mha", "gqa"])
+@pytest.mark.parametrize("causal,local", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.17])
+@pytest.mark.parametrize("mode", ["random", "zero_lengths"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(97, 203), (512, 256), (1024, 1024)])
+def test_backward_varlen(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, dropout_p, mode):
+    torch.manual_seed(seqlen_q + seqlen_k + d)
+    batch = 5
+    nheads, nheads_k = _heads(mha_type)
+    q = torch.randn(batch, seqlen_q, nheads, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
+    v = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
+    zero = mode == "zero_lengths"
+    query_padding_mask = generate_random_padding_mask(seqlen_q, batch, DEVICE, "random", zero)
+    key_padding_mask = generate_random_padding_mask(seqlen_k, batch, DEVICE, "random", zero)
+    (q_unpad, k_unpad, v_unpad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, v,
+     output_pad_fn, dq_pad_fn, dk_pad_fn) = generate_qkv(q, k, v, query_padding_mask, key_padding_mask)
+    window_size = (-1, -1)
+    if local:
+        left, right = torch.randint(0, seqlen_k, (2,)).tolist()
+        window_size = (left, 0 if causal else right)
+    out_unpad, _, S_dmask = flash_attn_varlen_func(
+        q_unpad, k_unpad, v_unpad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p, causal=causal, window_size=window_size, return_attn_probs=True)
+    dropout_mask = None
+    if dropout_p > 0:
+        dropout_mask = torch.ones(batch, nheads, seqlen_q, seqlen_k, dtype=torch.bool, device=DEVICE)
+        dropout_mask[:, :, :max_seqlen_q, :max_seqlen_k] = dropout_mask_from_S_dmask(
+            S_dmask, max_seqlen_q, max_seqlen_k)
+    out = output_pad_fn(out_unpad)
+    g = torch.randn_like(out)
+    dq_unpad, dk_unpad, dv_unpad = torch.autograd.grad(out, (q_unpad, k_unpad, v_unpad), g)
+    _, _, grads_ref, grads_pt = _grads_ref(
+        q, k, v, g, query_padding_mask=query_padding_mask, key_padding_mask=key_padding_mask,
+        dropout_p=dropout_p, dropout_mask=dropout_mask, causal=causal, window_size=window_size)
+    ours = (dq_pad_fn(dq_unpad), dk_pad_fn(dk_unpad), dk_pad_fn(dv_unpad))
+    for name, o, ref, pt in zip(("dq", "dk", "dv"), ours, grads_ref, grads_pt):
+        _check(name, o, ref, pt)
+
+
+@pytest.mark.parametrize("mha_type", ["mha", "gqa"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.17])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_deterministic_backward_is_bitwise_reproducible(mha_type, dropout_p, varlen):
+    torch.manual_seed(0)
+    batch, seqlen, d = 3, 1537, 128
+    nheads, nheads_k = _heads(mha_type)
+    q = torch.randn(batch * seqlen, nheads, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch * seqlen, nheads_k, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    cu_seqlens = torch.arange(0, (batch + 1) * seqlen, seqlen, device=DEVICE, dtype=torch.int32)
+    g = torch.randn_like(q)
+
+    def grads():
+        torch.manual_seed(42)  # the same dropout mask in every run
+        if varlen:
+            out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, seqlen, seqlen, dropout_p,
+                                         causal=True, deterministic=True)
+        else:
+            out = flash_attn_func(*(t.view(batch, seqlen, *t.shape[1:]) for t in (q, k, v)), dropout_p,
+                                  causal=True, deterministic=True).view_as(q)
+        return torch.autograd.grad(out, (q, k, v), g)
+
+    first = grads()
+    for _ in range(3):
+        again = grads()
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 59])
+def test_packed_gradients_match_unpacked(dtype, d):
+    """qkvpacked / kvpacked / varlen-qkvpacked give the unpacked gradients, in their own layout."""
+    torch.manual_seed(0)
+    batch, seqlen, nheads = 2, 333, 4
+    qkv = torch.randn(batch, seqlen, 3, nheads, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    g = torch.randn(batch, seqlen, nheads, d, device=DEVICE, dtype=dtype)
+    (dqkv,) = torch.autograd.grad(flash_attn_qkvpacked_func(qkv, causal=True), (qkv,), g)
+    q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(2))
+    dq, dk, dv = torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), g)
+    assert dqkv.shape == qkv.shape
+    torch.testing.assert_close(dqkv, torch.stack([dq, dk, dv], dim=2), atol=0, rtol=0)
+    kv = qkv.detach()[:, :, 1:].clone().requires_grad_()
+    q2 = q.detach().clone().requires_grad_()
+    dq2, dkv = torch.autograd.grad(flash_attn_kvpacked_func(q2, kv, causal=True), (q2, kv), g)
+    torch.testing.assert_close(dq2, dq, atol=0, rtol=0)
+    torch.testing.assert_close(dkv, torch.stack([dk, dv], dim=2), atol=0, rtol=0)
+    flat = qkv.detach().reshape(batch * seqlen, 3, nheads, d).requires_grad_()
+    cu_seqlens = torch.arange(0, (batch + 1) * seqlen, seqlen, device=DEVICE, dtype=torch.int32)
+    (dflat,) = torch.autograd.grad(
+        flash_attn_varlen_qkvpacked_func(flat, cu_seqlens, seqlen, causal=True),
+        (flat,), g.reshape(batch * seqlen, nheads, d))
+    torch.testing.assert_close(dflat, dqkv.reshape_as(dflat), atol=0, rtol=0)
+
+
+def test_training_step_under_torch_compile():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 256, 4, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def step(q, k, v):
+        return flash_attn_func(q, k, v, causal=True).float().square().sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    expected = torch.autograd.grad(step(q, k, v), (q, k, v))
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b)
+
+
+def test_backward_is_opt_in_until_validated(monkeypatch):
+    monkeypatch.setattr(interface, "backward_enabled", False)
+    q = torch.randn(1, 16, 2, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_UNVALIDATED_BACKWARD"):
+        flash_attn_func(q, q, q).sum().backward()
+
+
+def test_memory_linear_in_seqlen():
+    """Forward + backward keep nothing of size seqlen^2: extra memory per token is constant."""
+    per_token = []
+    for seqlen in (2048, 8192):
+        q, k, v = (torch.randn(1, seqlen, 8, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        flash_attn_func(q, k, v, causal=True).sum().backward()
+        torch.cuda.synchronize()
+        per_token.append((torch.cuda.max_memory_allocated() - base) / seqlen)
+    assert per_token[1] <= 1.1 * per_token[0], per_token
