@@ -27,8 +27,10 @@ static int failures = 0;
 
 // Every element of a (kM x kN) S tile is held by exactly one thread, and each lane's elements
 // form whole dropout cells laid out as dropout.h assumes.
+// warps_along_m: the forward's layout, where warp w owns rows 16w + 16 * kWarps * mi of the
+// tile and every column (atoms 8 columns apart).
 template <typename TiledMma, int kM, int kN>
-void check_score_tile(const char *name, int threads) {
+void check_score_tile(const char *name, int threads, bool warps_along_m) {
     TiledMma tiled_mma;
     std::set<std::pair<int, int>> seen;
     for (int tid = 0; tid < threads; ++tid) {
@@ -54,6 +56,13 @@ void check_score_tile(const char *name, int threads) {
                             EXPECT(row % 16 == lane / 4 + 8 * i && col % 16 == 8 * half + (lane % 4) * 2 + j,
                                    "%s: tid %d slot (i %d, half %d, j %d) at (%d, %d)", name, tid, i, half, j,
                                    row, col);
+                            if (warps_along_m) {
+                                const int warps = threads / 32, warp = tid / 32, nj = 2 * cc + half;
+                                EXPECT(row == warp * 16 + lane / 4 + 8 * i + mi * 16 * warps &&
+                                           col == (lane % 4) * 2 + j + nj * 8,
+                                       "%s: tid %d (i %d, mi %d, j %d, nj %d) at (%d, %d)", name, tid, i, mi, j,
+                                       nj, row, col);
+                            }
                         }
                     }
                 }
@@ -76,12 +85,12 @@ void check_head_dim() {
                                       BTile::kWarpsNdKV, BTile::kWarpsMdQ, Element>;
     char name[64];
     std::snprintf(name, sizeof(name), "forward hdim%d", kHeadDim);
-    check_score_tile<typename Fwd::TiledMma, Fwd::kBlockM, Fwd::kBlockN>(name, Fwd::kNThreads);
+    check_score_tile<typename Fwd::TiledMma, Fwd::kBlockM, Fwd::kBlockN>(name, Fwd::kNThreads, true);
     std::snprintf(name, sizeof(name), "forward+dropout hdim%d", kHeadDim);
-    check_score_tile<typename FwdDropout::TiledMma, FwdDropout::kBlockM, FwdDropout::kBlockN>(name,
-                                                                                              FwdDropout::kNThreads);
+    check_score_tile<typename FwdDropout::TiledMma, FwdDropout::kBlockM, FwdDropout::kBlockN>(
+        name, FwdDropout::kNThreads, true);
     std::snprintf(name, sizeof(name), "backward hdim%d", kHeadDim);
-    check_score_tile<typename Bwd::TiledMmaSdP, Bwd::kBlockM, Bwd::kBlockN>(name, Bwd::kNThreads);
+    check_score_tile<typename Bwd::TiledMmaSdP, Bwd::kBlockM, Bwd::kBlockN>(name, Bwd::kNThreads, false);
     EXPECT(Bwd::kSmemSize <= 227 * 1024, "backward hdim%d needs %d bytes of shared memory", kHeadDim, Bwd::kSmemSize);
     EXPECT(Fwd::kSmemSize <= 227 * 1024, "forward hdim%d needs %d bytes of shared memory", kHeadDim, Fwd::kSmemSize);
 }
