@@ -94,8 +94,10 @@ def run_case(M, N, dtype, weight_dtype=None, is_rms_norm=False, has_bias=True,
     for k, o in enumerate(outs):
         _assert_close(f"output {k}", o, refs[True][1][k], refs[False][1][k])
 
-    grads = [torch.randn_like(o, dtype=torch.float32) for o in outs]
-    torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(grads, outs)])
+    # Upstream gradients in our outputs' dtype (as autograd hands them to the op), widened exactly
+    # for the fp32 reference: otherwise the reference is the gradient of a different dz.
+    grads = [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in outs]
+    torch.autograd.backward(outs, grads)
     for fp32 in (True, False):
         ref_outs = refs[fp32][1]
         torch.autograd.backward(ref_outs, [g.to(o.dtype) for g, o in zip(grads, ref_outs)])
