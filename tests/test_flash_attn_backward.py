@@ -16,9 +16,11 @@ from flash_attn import (
 )
 from flash_attn.utils.testing import (
     attention_ref,
+    check_error_rule,
     dropout_mask_from_S_dmask,
     generate_qkv,
     generate_random_padding_mask,
+    heads_for,
 )
 
 pytestmark = pytest.mark.gpu
@@ -32,15 +34,8 @@ def _enable_backward(monkeypatch):
     monkeypatch.setattr(interface, "backward_enabled", True)
 
 
-def _heads(mha_type, nheads=6):
-    return nheads, {"mha": nheads, "gqa": 2, "mqa": 1}[mha_type]
-
-
 def _check(name, ours, ref, pt):
-    assert not ours.isnan().any(), f"{name} has NaN"
-    err = (ours.float() - ref.float()).abs().max().item()
-    err_pt = (pt.float() - ref.float()).abs().max().item()
-    assert err <= 2 * err_pt + SLACK, f"{name}: max error {err} vs reference-in-dtype error {err_pt}"
+    check_error_rule(name, ours, ref, pt, SLACK)
 
 
 def _grads_ref(q, k, v, g, **kwargs):
@@ -53,7 +48,7 @@ def _grads_ref(q, k, v, g, **kwargs):
 
 def _run_and_check(batch, seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, softcap,
                    dropout_p, deterministic=False):
-    nheads, nheads_k = _heads(mha_type)
+    nheads, nheads_k = heads_for(mha_type)
     q = torch.randn(batch, seqlen_q, nheads, d, device=DEVICE, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype, requires_grad=True)
     v = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype, requires_grad=True)
@@ -128,7 +123,7 @@ def test_backward_features_all_head_dims(seqlen_q, seqlen_k, d, dtype, mha_type,
 def test_backward_varlen(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, dropout_p, mode):
     torch.manual_seed(seqlen_q + seqlen_k + d)
     batch = 5
-    nheads, nheads_k = _heads(mha_type)
+    nheads, nheads_k = heads_for(mha_type)
     q = torch.randn(batch, seqlen_q, nheads, d, device=DEVICE, dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
     v = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
@@ -166,7 +161,7 @@ def test_backward_varlen(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, 
 def test_deterministic_backward_is_bitwise_reproducible(mha_type, dropout_p, varlen):
     torch.manual_seed(0)
     batch, seqlen, d = 3, 1537, 128
-    nheads, nheads_k = _heads(mha_type)
+    nheads, nheads_k = heads_for(mha_type)
     q = torch.randn(batch * seqlen, nheads, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(batch * seqlen, nheads_k, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)

@@ -22,20 +22,18 @@ from flash_attn import (
 from flash_attn.flash_attn_interface import _get_block_size_n
 from flash_attn.utils.testing import (
     attention_ref,
+    check_error_rule,
     attn_bias_from_alibi_slopes,
     construct_local_mask,
     dropout_mask_from_S_dmask,
     generate_qkv,
     generate_random_padding_mask,
+    heads_for,
 )
 
 SLACK = 1e-5
 gpu = pytest.mark.gpu
 DEVICE = "cuda"
-
-
-def _heads(mha_type, nheads=6):
-    return nheads, {"mha": nheads, "gqa": 2, "mqa": 1}[mha_type]
 
 
 def _window(causal, local, seqlen_k):
@@ -46,10 +44,7 @@ def _window(causal, local, seqlen_k):
 
 
 def _check(out, out_ref, out_pt, what="out"):
-    assert not out.isnan().any(), f"{what} has NaN"
-    err = (out.float() - out_ref.float()).abs().max().item()
-    err_pt = (out_pt.float() - out_ref.float()).abs().max().item()
-    assert err <= 2 * err_pt + SLACK, f"{what}: max error {err} vs reference-in-dtype error {err_pt}"
+    check_error_rule(what, out, out_ref, out_pt, SLACK)
 
 
 def _lse_ref(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes):
@@ -70,7 +65,7 @@ def _lse_ref(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes):
 
 def _run_and_check(batch, seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, softcap,
                    dropout_p, check_lse=True):
-    nheads, nheads_k = _heads(mha_type)
+    nheads, nheads_k = heads_for(mha_type)
     q = torch.randn(batch, seqlen_q, nheads, d, device=DEVICE, dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
     v = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
@@ -164,7 +159,7 @@ def test_varlen(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, so
                 mode):
     torch.manual_seed(seqlen_q + seqlen_k + d)
     batch = 5
-    nheads, nheads_k = _heads(mha_type)
+    nheads, nheads_k = heads_for(mha_type)
     q = torch.randn(batch, seqlen_q, nheads, d, device=DEVICE, dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
     v = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
@@ -209,7 +204,7 @@ def test_varlen_paged(d, dtype, causal, mha_type, page_block_size):
     """K/V in a paged cache: block_table maps each sequence's logical blocks to shuffled pages."""
     torch.manual_seed(d + page_block_size)
     batch, seqlen_q, seqlen_k = 3, 300, 1100
-    nheads, nheads_k = _heads(mha_type)
+    nheads, nheads_k = heads_for(mha_type)
     q = torch.randn(batch, seqlen_q, nheads, d, device=DEVICE, dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
     v = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)

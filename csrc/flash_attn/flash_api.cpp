@@ -56,14 +56,30 @@ void check_q(const at::Tensor &q, int64_t rank) {
                 " (rebuild with FLASH_ATTN_HDIMS including a larger head dim)");
 }
 
-// Everything of AttentionParams that does not depend on the input layout.
+// Strides of a (batch, seqlen, heads, head_dim), paged (num_blocks, page_block_size, heads,
+// head_dim) or varlen (total, heads, head_dim) tensor; varlen tensors have no batch stride.
+void set_strides(const at::Tensor &t, int64_t &batch_stride, int64_t &row_stride, int64_t &head_stride) {
+    batch_stride = t.dim() == 4 ? t.stride(0) : 0;
+    row_stride = t.stride(-3);
+    head_stride = t.stride(-2);
+}
+
+// Everything of AttentionParams that the forward and backward entry points share: pointers and
+// strides of q, k, v, out, the sizes, softmax scale / softcap, window, dropout, ALiBi.
 void set_common_params(flash::AttentionParams &params, const at::Tensor &q, const at::Tensor &k,
-                       const at::Tensor &out, const at::Tensor &softmax_lse, int batch, int seqlen_q,
-                       int seqlen_k, float p_dropout, float softmax_scale, bool is_causal,
+                       const at::Tensor &v, const at::Tensor &out, const at::Tensor &softmax_lse, int batch,
+                       int seqlen_q, int seqlen_k, float p_dropout, float softmax_scale, bool is_causal,
                        int window_size_left, int window_size_right, float softcap,
                        const std::optional<at::Tensor> &alibi_slopes_) {
     params.q_ptr = q.data_ptr();
+    params.k_ptr = k.data_ptr();
+    params.v_ptr = v.data_ptr();
     params.o_ptr = out.data_ptr();
+    set_strides(q, params.q_batch_stride, params.q_row_stride, params.q_head_stride);
+    set_strides(k, params.k_batch_stride, params.k_row_stride, params.k_head_stride);
+    set_strides(v, params.v_batch_stride, params.v_row_stride, params.v_head_stride);
+    set_strides(out, params.o_batch_stride, params.o_row_stride, params.o_head_stride);
+    params.total_q = int(q.dim() == 4 ? q.size(0) * q.size(1) : q.size(0));
     params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
     params.is_bf16 = q.scalar_type() == at::kBFloat16;
     params.batch = batch;
@@ -182,16 +198,9 @@ std::vector<at::Tensor> mha_fwd(const at::Tensor &q, const at::Tensor &k, const 
     at::Tensor out = out_or_new(out_, q);
     auto softmax_lse = at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
     flash::AttentionParams params;
-    set_common_params(params, q, k, out, softmax_lse, int(batch), int(seqlen_q), int(seqlen_k),
+    set_common_params(params, q, k, v, out, softmax_lse, int(batch), int(seqlen_q), int(seqlen_k),
                       float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
                       int(window_size_right), float(softcap), alibi_slopes_);
-    params.k_ptr = k.data_ptr();
-    params.v_ptr = v.data_ptr();
-    params.q_batch_stride = q.stride(0), params.q_row_stride = q.stride(1), params.q_head_stride = q.stride(2);
-    params.k_batch_stride = k.stride(0), params.k_row_stride = k.stride(1), params.k_head_stride = k.stride(2);
-    params.v_batch_stride = v.stride(0), params.v_row_stride = v.stride(1), params.v_head_stride = v.stride(2);
-    params.o_batch_stride = out.stride(0), params.o_row_stride = out.stride(1), params.o_head_stride = out.stride(2);
-    params.total_q = int(batch * seqlen_q);
     at::Tensor p = make_s_dmask(params, q, return_softmax);
     at::Tensor rng_state = set_dropout_rng(params, q, gen_);
 
@@ -239,17 +248,10 @@ std::vector<at::Tensor> mha_varlen_fwd(
     at::Tensor out = out_or_new(out_, q);
     auto softmax_lse = at::empty({heads, total_q}, q.options().dtype(at::kFloat));
     flash::AttentionParams params;
-    set_common_params(params, q, k, out, softmax_lse, int(batch), int(max_seqlen_q), int(max_seqlen_k),
+    set_common_params(params, q, k, v, out, softmax_lse, int(batch), int(max_seqlen_q), int(max_seqlen_k),
                       float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
                       int(window_size_right), float(softcap), alibi_slopes_);
-    params.k_ptr = k.data_ptr();
-    params.v_ptr = v.data_ptr();
-    params.q_row_stride = q.stride(0), params.q_head_stride = q.stride(1);
-    params.o_row_stride = out.stride(0), params.o_head_stride = out.stride(1);
-    params.k_row_stride = k.stride(-3), params.k_head_stride = k.stride(-2);
-    params.v_row_stride = v.stride(-3), params.v_head_stride = v.stride(-2);
     if (paged) {
-        params.k_batch_stride = k.stride(0), params.v_batch_stride = v.stride(0);
         params.block_table = block_table_->data_ptr<int>();
         params.block_table_batch_stride = block_table_->stride(0);
         params.page_block_size = int(k.size(1));
@@ -257,7 +259,6 @@ std::vector<at::Tensor> mha_varlen_fwd(
     params.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
     params.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
     params.seqused_k = seqused_k_.has_value() ? seqused_k_->data_ptr<int>() : nullptr;
-    params.total_q = int(total_q);
     at::Tensor p = make_s_dmask(params, q, return_softmax);
     at::Tensor rng_state = set_dropout_rng(params, q, gen_);
 
@@ -350,19 +351,11 @@ BackwardBuffers make_backward_buffers(const at::Tensor &q, const at::Tensor &k, 
     return buf;
 }
 
-void set_grad_strides(flash::AttentionParams &params, const BackwardBuffers &buf, const at::Tensor &dout,
-                      bool varlen) {
-    const int r = varlen ? 0 : 1;  // index of the row dimension
-    if (!varlen) {
-        params.do_batch_stride = dout.stride(0);
-        params.dq_batch_stride = buf.dq.stride(0);
-        params.dk_batch_stride = buf.dk_expanded.stride(0);
-        params.dv_batch_stride = buf.dv_expanded.stride(0);
-    }
-    params.do_row_stride = dout.stride(r), params.do_head_stride = dout.stride(r + 1);
-    params.dq_row_stride = buf.dq.stride(r), params.dq_head_stride = buf.dq.stride(r + 1);
-    params.dk_row_stride = buf.dk_expanded.stride(r), params.dk_head_stride = buf.dk_expanded.stride(r + 1);
-    params.dv_row_stride = buf.dv_expanded.stride(r), params.dv_head_stride = buf.dv_expanded.stride(r + 1);
+void set_grad_strides(flash::AttentionParams &params, const BackwardBuffers &buf, const at::Tensor &dout) {
+    set_strides(dout, params.do_batch_stride, params.do_row_stride, params.do_head_stride);
+    set_strides(buf.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride);
+    set_strides(buf.dk_expanded, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride);
+    set_strides(buf.dv_expanded, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride);
 }
 
 // dout, q, k, v, out (b, s, h, d), softmax_lse (b, h, s_q) -> dq, dk, dv, softmax_d (b, h, s_q).
@@ -391,17 +384,10 @@ std::vector<at::Tensor> mha_bwd(const at::Tensor &dout, const at::Tensor &q, con
 
     BackwardBuffers buf = make_backward_buffers(q, k, v, dq_, dk_, dv_, {batch, heads, seqlen_q});
     flash::AttentionParams params;
-    set_common_params(params, q, k, out, softmax_lse, int(batch), int(seqlen_q), int(seqlen_k),
+    set_common_params(params, q, k, v, out, softmax_lse, int(batch), int(seqlen_q), int(seqlen_k),
                       float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
                       int(window_size_right), float(softcap), alibi_slopes_);
-    params.k_ptr = k.data_ptr();
-    params.v_ptr = v.data_ptr();
-    params.q_batch_stride = q.stride(0), params.q_row_stride = q.stride(1), params.q_head_stride = q.stride(2);
-    params.k_batch_stride = k.stride(0), params.k_row_stride = k.stride(1), params.k_head_stride = k.stride(2);
-    params.v_batch_stride = v.stride(0), params.v_row_stride = v.stride(1), params.v_head_stride = v.stride(2);
-    params.o_batch_stride = out.stride(0), params.o_row_stride = out.stride(1), params.o_head_stride = out.stride(2);
-    params.total_q = int(batch * seqlen_q);
-    set_grad_strides(params, buf, dout, false);
+    set_grad_strides(params, buf, dout);
     set_backward_params(params, q, dout, buf, rng_state_.value_or(at::Tensor()), deterministic,
                         batch * round_up(seqlen_q, 128));
     params.dq_accum_batch_stride = round_up(seqlen_q, 128) * params.dq_accum_row_stride;
@@ -446,19 +432,12 @@ std::vector<at::Tensor> mha_varlen_bwd(
     BackwardBuffers buf = make_backward_buffers(q, k, v, dq_, dk_, dv_, {heads, total_q});
     if (zero_tensors) { buf.dq.zero_(), buf.dk.zero_(), buf.dv.zero_(); }
     flash::AttentionParams params;
-    set_common_params(params, q, k, out, softmax_lse, int(batch), int(max_seqlen_q), int(max_seqlen_k),
+    set_common_params(params, q, k, v, out, softmax_lse, int(batch), int(max_seqlen_q), int(max_seqlen_k),
                       float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
                       int(window_size_right), float(softcap), alibi_slopes_);
-    params.k_ptr = k.data_ptr();
-    params.v_ptr = v.data_ptr();
-    params.q_row_stride = q.stride(0), params.q_head_stride = q.stride(1);
-    params.k_row_stride = k.stride(0), params.k_head_stride = k.stride(1);
-    params.v_row_stride = v.stride(0), params.v_head_stride = v.stride(1);
-    params.o_row_stride = out.stride(0), params.o_head_stride = out.stride(1);
     params.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
     params.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
-    params.total_q = int(total_q);
-    set_grad_strides(params, buf, dout, true);
+    set_grad_strides(params, buf, dout);
     // Rows past a sequence's end in its last query block spill into the next sequence's rows (or
     // 128 spare rows at the end) and only ever add exact zeros there.
     set_backward_params(params, q, dout, buf, rng_state_.value_or(at::Tensor()), deterministic, total_q + 128);

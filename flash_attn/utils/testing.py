@@ -241,6 +241,23 @@ def dropout_mask_from_S_dmask(S_dmask, seqlen_q, seqlen_k):
     return S_dmask[:, :, :seqlen_q, :seqlen_k] >= 0
 
 
+def check_error_rule(name, ours, ref, ref_lowp, slack=1e-5):
+    """flash-attn's accuracy rule for a kernel output or gradient: its max-abs distance from the
+    fp32 reference is at most twice that of the same reference computed in the input dtype
+    (`ref_lowp`, e.g. attention_ref(..., upcast=False, reorder_ops=True)), plus a small absolute
+    slack. NaN never passes."""
+    assert not ours.isnan().any(), f"{name} has NaN"
+    err = (ours.float() - ref.float()).abs().max().item()
+    err_lowp = (ref_lowp.float() - ref.float()).abs().max().item()
+    assert err <= 2 * err_lowp + slack, (
+        f"{name}: max error {err} vs reference-in-dtype error {err_lowp}")
+
+
+def heads_for(mha_type, nheads=6):
+    """(query heads, key/value heads) of a test case: "mha", "gqa" (2 kv heads) or "mqa"."""
+    return nheads, {"mha": nheads, "gqa": 2, "mqa": 1}[mha_type]
+
+
 def triton_interpreter_slack(dtype, ref):
     """Extra absolute error allowed to a Triton kernel run on CPU tensors: the interpreter rounds
     float32 -> bfloat16 toward zero where the GPU rounds to nearest, which can cost one more

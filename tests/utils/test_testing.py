@@ -447,3 +447,21 @@ def test_run_distributed_fails_with_the_child_traceback():
     assert "RuntimeError: rank one broke on purpose" in message and "Traceback" in message
     with pytest.raises(ValueError, match="module-level"):
         run_distributed(lambda rank, world: None)
+
+
+def test_check_error_rule_passes_and_fails_as_stated():
+    from flash_attn.utils.testing import check_error_rule
+
+    ref = torch.zeros(4)
+    lowp = torch.tensor([0.0, 0.1, 0.0, 0.0])  # reference-in-dtype error 0.1
+    check_error_rule("ok", torch.tensor([0.0, 0.0, 0.2, 0.0]), ref, lowp, slack=0.0)
+    with pytest.raises(AssertionError, match="too far: max error"):
+        check_error_rule("too far", torch.tensor([0.0, 0.0, 0.21, 0.0]), ref, lowp, slack=0.0)
+    with pytest.raises(AssertionError, match="has NaN"):
+        check_error_rule("nan", torch.tensor([float("nan"), 0, 0, 0]), ref, lowp)
+
+
+def test_heads_for():
+    from flash_attn.utils.testing import heads_for
+
+    assert heads_for("mha") == (6, 6) and heads_for("gqa") == (6, 2) and heads_for("mqa", 4) == (4, 1)

@@ -191,12 +191,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
     Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQcQ)));
-    Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKVcKV)));
-    CUTE_UNROLL
-    for (int k = 0; k < size(tQpQ); ++k) { tQpQ(k) = get<1>(tQcQ(0, 0, k)) < params.head_dim; }
-    CUTE_UNROLL
-    for (int k = 0; k < size(tKVpKV); ++k) { tKVpKV(k) = get<1>(tKVcKV(0, 0, k)) < params.head_dim; }
+    Tensor tQpQ = col_predicates(tQcQ, params.head_dim);
+    Tensor tKVpKV = col_predicates(tKVcKV, params.head_dim);
 
     auto gmem_tile = [&](const void *ptr, int64_t offset, int64_t row_stride, auto rows) {
         return make_tensor(make_gmem_ptr(reinterpret_cast<const Element *>(ptr) + offset),
@@ -273,7 +269,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     Tensor tdQsKt = thr_copy_Bt_dq.partition_S(sKt);
 
     // Registers -> shared memory for P and dS (and, with softcap, the tanh derivative).
-    auto smem_copy_PdS = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, tiled_mma_sdp);
+    auto smem_copy_PdS = make_tiled_copy_C(typename Traits::SmemCopyAtomAcc{}, tiled_mma_sdp);
     auto thr_copy_PdS = smem_copy_PdS.get_thread_slice(tidx);
     Tensor tPsP = thr_copy_PdS.partition_D(sP);
     Tensor tdSsdS = thr_copy_PdS.partition_D(sdS);
@@ -290,10 +286,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                       int64_t(bidh) * params.dq_accum_head_stride;
     Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
-    const AttentionMask mask{seq.seqlen_k, diag, params.window_size_left, params.window_size_right,
-                             params.alibi_slopes_ptr == nullptr ? 0.f
-                                 : params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] /
-                                   params.scale_softmax};
+    const AttentionMask mask = AttentionMask::make(params, seq, bidb, bidh);
     const bool has_alibi = params.alibi_slopes_ptr != nullptr;
     const bool has_softcap = params.softcap > 0.f;
     const bool has_dropout = params.p_dropout < 1.f;

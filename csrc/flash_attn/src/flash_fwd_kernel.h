@@ -53,9 +53,7 @@ __device__ __forceinline__ void store_o_tile(const AttentionParams &params, Tens
     typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
     auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(threadIdx.x);
     Tensor tOcO = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
-    CUTE_UNROLL
-    for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.head_dim; }
+    Tensor tOpO = col_predicates(tOcO, params.head_dim);
     const bool full = params.head_dim == kHeadDim && rows_valid >= kBlockM;
     copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, rows_valid, full);
 }
@@ -163,12 +161,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     const auto tVgV_base = tVgV.data();
     Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));
-    Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));
-    CUTE_UNROLL
-    for (int k = 0; k < size(tQpQ); ++k) { tQpQ(k) = get<1>(tQcQ(0, 0, k)) < params.head_dim; }
-    CUTE_UNROLL
-    for (int k = 0; k < size(tKVpKV); ++k) { tKVpKV(k) = get<1>(tKVcKV(0, 0, k)) < params.head_dim; }
+    Tensor tQpQ = col_predicates(tQcQ, params.head_dim);
+    Tensor tKVpKV = col_predicates(tKVcKV, params.head_dim);
 
     const bool even_k = params.head_dim == kHeadDim;
     auto load_k = [&](int n_block) {
@@ -206,10 +200,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
 
-    const AttentionMask mask{seq.seqlen_k, diag, params.window_size_left, params.window_size_right,
-                             params.alibi_slopes_ptr == nullptr ? 0.f
-                                 : params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] /
-                                   params.scale_softmax};
+    const AttentionMask mask = AttentionMask::make(params, seq, bidb, bidh);
     const bool has_alibi = params.alibi_slopes_ptr != nullptr;
     const bool has_softcap = params.softcap > 0.f;
 
@@ -290,7 +281,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor rO = convert_type<Element>(acc_o);
     // Q's shared memory is free: its last reader (S = Q K^T) finished before the loop's last barrier.
     Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
-    auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+    auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomAcc{}, tiled_mma);
     auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
     Tensor taccOrO = smem_thr_copy_O.retile_S(rO);
     Tensor taccOsO = smem_thr_copy_O.partition_D(sO);

@@ -5,6 +5,9 @@
 
 #include <cute/tensor.hpp>
 
+#include "flash.h"
+#include "sequence_info.h"
+
 namespace flash {
 
 using namespace cute;
@@ -14,6 +17,14 @@ struct AttentionMask {
     // diag = seqlen_k - seqlen_q (bottom-right alignment); a negative window is unbounded.
     int seqlen_k, diag, window_left, window_right;
     float alibi_slope;  // already divided by the softmax scale: the bias is added to raw scores
+
+    // The mask of head bidh of batch entry bidb.
+    __device__ static AttentionMask make(const AttentionParams &params, const SequenceInfo &seq, int bidb, int bidh) {
+        const float slope = params.alibi_slopes_ptr == nullptr
+            ? 0.f
+            : params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] / params.scale_softmax;
+        return {seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, params.window_size_left, params.window_size_right, slope};
+    }
 
     // Does the tile of rows [row_first, row_last] and columns [col_first, col_last] contain any
     // position the mask changes?

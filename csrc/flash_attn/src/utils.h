@@ -77,6 +77,16 @@ __device__ __forceinline__ void gemm(Acc &acc, TA &tCrA, TB &tCrB, TsA const &tC
     }
 }
 
+// Predicates of the column chunks of a tiled copy's partition (from an identity tensor): true
+// where the chunk starts below cols_valid (the head dim, a multiple of the 8-element chunk).
+template <typename TC>
+__device__ __forceinline__ auto col_predicates(TC const &identity, int cols_valid) {
+    Tensor pred = make_tensor<bool>(make_shape(size<2>(identity)));
+    CUTE_UNROLL
+    for (int k = 0; k < size(pred); ++k) { pred(k) = get<1>(identity(0, 0, k)) < cols_valid; }
+    return pred;
+}
+
 // Copies a (rows, cols) tile partitioned by a tiled copy. Interior tiles (`full`: every row and
 // column in bounds) take the unpredicated path; otherwise rows at or beyond `rows_valid` and
 // columns whose predicate is false are skipped and, with Clear_OOB, zeroed in the destination
