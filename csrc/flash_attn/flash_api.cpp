@@ -180,19 +180,59 @@ void check_heads(const at::Tensor &q, const at::Tensor &k) {
                 ") must divide the number of heads of q (", q.size(-2), ")");
 }
 
+// The inputs of the padded entry points: q (batch, seqlen_q, heads, d), k/v (batch, seqlen_k,
+// heads_k, d).
+void check_padded_inputs(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
+    check_q(q, 4);
+    FLASH_CHECK(k.dim() == 4, "k must be 4-D (batch, seqlen_k, heads_k, head_dim), got shape ", k.sizes());
+    check_like_q(k, "k", q, {q.size(0), k.size(1), k.size(2), q.size(3)});
+    check_like_q(v, "v", q, k.sizes());
+    check_heads(q, k);
+}
+
+// The inputs of the varlen entry points: q (total_q, heads, d), k/v (total_k, heads_k, d) or,
+// paged, (num_blocks, page_block_size, heads_k, d); cu_seqlens (batch + 1). Returns the batch size.
+int64_t check_varlen_inputs(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                            const at::Tensor &cu_seqlens_q, const at::Tensor &cu_seqlens_k, bool paged) {
+    check_q(q, 3);
+    const int64_t batch = cu_seqlens_q.numel() - 1;
+    FLASH_CHECK(batch >= 0, "cu_seqlens_q must have batch + 1 >= 1 entries");
+    check_int32(cu_seqlens_q, "cu_seqlens_q", q, {batch + 1});
+    check_int32(cu_seqlens_k, "cu_seqlens_k", q, {batch + 1});
+    if (paged) {
+        FLASH_CHECK(k.dim() == 4, "k must be 4-D (num_blocks, page_block_size, heads_k, head_dim) with "
+                    "block_table, got shape ", k.sizes());
+        check_like_q(k, "k", q, {k.size(0), k.size(1), k.size(2), q.size(2)});
+        FLASH_CHECK(k.size(1) % 256 == 0, "the page_block_size of a paged k/v (k.size(1)) must be a "
+                    "multiple of 256, got ", k.size(1));
+    } else {
+        FLASH_CHECK(k.dim() == 3, "k must be 3-D (total_k, heads_k, head_dim), got shape ", k.sizes());
+        check_like_q(k, "k", q, {k.size(0), k.size(1), q.size(2)});
+    }
+    check_like_q(v, "v", q, k.sizes());
+    check_heads(q, k);
+    return batch;
+}
+
+// The backward's extra inputs: out and dout like q, and the forward's log-sum-exp.
+void check_backward_inputs(const at::Tensor &q, const at::Tensor &out, const at::Tensor &dout,
+                           const at::Tensor &softmax_lse, at::IntArrayRef lse_shape) {
+    check_like_q(out, "out", q, q.sizes());
+    check_like_q(dout, "dout", q, q.sizes());
+    FLASH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.sizes() == lse_shape &&
+                    softmax_lse.is_contiguous(),
+                "softmax_lse must be the forward's contiguous float32 tensor of shape ", lse_shape, ", got ",
+                softmax_lse.scalar_type(), " ", softmax_lse.sizes());
+}
+
 // q (b, s_q, h, d), k/v (b, s_k, h_k, d) -> out, softmax_lse (b, h, s_q), S_dmask, rng_state.
 std::vector<at::Tensor> mha_fwd(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                                 std::optional<at::Tensor> out_, std::optional<at::Tensor> alibi_slopes_,
                                 double p_dropout, double softmax_scale, bool is_causal,
                                 int64_t window_size_left, int64_t window_size_right, double softcap,
                                 bool return_softmax, std::optional<at::Generator> gen_) {
-    check_q(q, 4);
-    const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
-    FLASH_CHECK(k.dim() == 4, "k must be 4-D (batch, seqlen_k, heads_k, head_dim), got shape ", k.sizes());
-    const int64_t seqlen_k = k.size(1), heads_k = k.size(2);
-    check_like_q(k, "k", q, {batch, seqlen_k, heads_k, head_dim});
-    check_like_q(v, "v", q, {batch, seqlen_k, heads_k, head_dim});
-    check_heads(q, k);
+    check_padded_inputs(q, k, v);
+    const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), seqlen_k = k.size(1);
     at::cuda::CUDAGuard device_guard{q.device()};
 
     at::Tensor out = out_or_new(out_, q);
@@ -218,31 +258,13 @@ std::vector<at::Tensor> mha_varlen_fwd(
     std::optional<at::Tensor> alibi_slopes_, int64_t max_seqlen_q, int64_t max_seqlen_k, double p_dropout,
     double softmax_scale, bool zero_tensors, bool is_causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, std::optional<at::Generator> gen_) {
-    check_q(q, 3);
-    const int64_t total_q = q.size(0), heads = q.size(1), head_dim = q.size(2);
-    const int64_t batch = cu_seqlens_q.numel() - 1;
-    FLASH_CHECK(batch >= 0, "cu_seqlens_q must have batch + 1 >= 1 entries");
-    check_int32(cu_seqlens_q, "cu_seqlens_q", q, {batch + 1});
-    check_int32(cu_seqlens_k, "cu_seqlens_k", q, {batch + 1});
+    const bool paged = block_table_.has_value();
+    const int64_t batch = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, paged);
+    const int64_t total_q = q.size(0), heads = q.size(1);
     FLASH_CHECK(!leftpad_k_.has_value(), "leftpad_k is not supported by varlen_fwd");
     FLASH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q and max_seqlen_k must be >= 0");
-    const bool paged = block_table_.has_value();
-    const int64_t heads_k = k.size(-2);
-    if (paged) {
-        FLASH_CHECK(k.dim() == 4, "k must be 4-D (num_blocks, page_block_size, heads_k, head_dim) with "
-                    "block_table, got shape ", k.sizes());
-        check_like_q(k, "k", q, {k.size(0), k.size(1), heads_k, head_dim});
-        check_like_q(v, "v", q, k.sizes());
-        FLASH_CHECK(k.size(1) % 256 == 0, "the page_block_size of a paged k/v (k.size(1)) must be a "
-                    "multiple of 256, got ", k.size(1));
-        check_int32(block_table_.value(), "block_table", q, {batch, block_table_->size(-1)});
-    } else {
-        FLASH_CHECK(k.dim() == 3, "k must be 3-D (total_k, heads_k, head_dim), got shape ", k.sizes());
-        check_like_q(k, "k", q, {k.size(0), heads_k, head_dim});
-        check_like_q(v, "v", q, k.sizes());
-    }
+    if (paged) { check_int32(block_table_.value(), "block_table", q, {batch, block_table_->size(-1)}); }
     if (seqused_k_.has_value()) { check_int32(seqused_k_.value(), "seqused_k", q, {batch}); }
-    check_heads(q, k);
     at::cuda::CUDAGuard device_guard{q.device()};
 
     at::Tensor out = out_or_new(out_, q);
@@ -366,19 +388,10 @@ std::vector<at::Tensor> mha_bwd(const at::Tensor &dout, const at::Tensor &q, con
                                 double p_dropout, double softmax_scale, bool is_causal, int64_t window_size_left,
                                 int64_t window_size_right, double softcap, bool deterministic,
                                 std::optional<at::Generator> gen_, std::optional<at::Tensor> rng_state_) {
-    check_q(q, 4);
-    const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), head_dim = q.size(3);
-    FLASH_CHECK(k.dim() == 4, "k must be 4-D (batch, seqlen_k, heads_k, head_dim), got shape ", k.sizes());
+    check_padded_inputs(q, k, v);
+    const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2);
     const int64_t seqlen_k = k.size(1), heads_k = k.size(2);
-    check_like_q(k, "k", q, {batch, seqlen_k, heads_k, head_dim});
-    check_like_q(v, "v", q, {batch, seqlen_k, heads_k, head_dim});
-    check_like_q(out, "out", q, q.sizes());
-    check_like_q(dout, "dout", q, q.sizes());
-    check_heads(q, k);
-    FLASH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.sizes() == at::IntArrayRef({batch, heads, seqlen_q}) &&
-                    softmax_lse.is_contiguous(),
-                "softmax_lse must be the contiguous float32 (batch, heads, seqlen_q) tensor of the forward, got ",
-                softmax_lse.sizes());
+    check_backward_inputs(q, out, dout, softmax_lse, {batch, heads, seqlen_q});
     at::cuda::CUDAGuard device_guard{q.device()};
     (void)gen_;  // the dropout stream is replayed from rng_state
 
@@ -409,23 +422,9 @@ std::vector<at::Tensor> mha_varlen_bwd(
     std::optional<at::Tensor> alibi_slopes_, int64_t max_seqlen_q, int64_t max_seqlen_k, double p_dropout,
     double softmax_scale, bool zero_tensors, bool is_causal, int64_t window_size_left, int64_t window_size_right,
     double softcap, bool deterministic, std::optional<at::Generator> gen_, std::optional<at::Tensor> rng_state_) {
-    check_q(q, 3);
-    const int64_t total_q = q.size(0), heads = q.size(1), head_dim = q.size(2);
-    const int64_t batch = cu_seqlens_q.numel() - 1;
-    FLASH_CHECK(batch >= 0, "cu_seqlens_q must have batch + 1 >= 1 entries");
-    check_int32(cu_seqlens_q, "cu_seqlens_q", q, {batch + 1});
-    check_int32(cu_seqlens_k, "cu_seqlens_k", q, {batch + 1});
-    FLASH_CHECK(k.dim() == 3, "k must be 3-D (total_k, heads_k, head_dim), got shape ", k.sizes());
-    const int64_t heads_k = k.size(1);
-    check_like_q(k, "k", q, {k.size(0), heads_k, head_dim});
-    check_like_q(v, "v", q, k.sizes());
-    check_like_q(out, "out", q, q.sizes());
-    check_like_q(dout, "dout", q, q.sizes());
-    check_heads(q, k);
-    FLASH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.sizes() == at::IntArrayRef({heads, total_q}) &&
-                    softmax_lse.is_contiguous(),
-                "softmax_lse must be the contiguous float32 (heads, total_q) tensor of the forward, got ",
-                softmax_lse.sizes());
+    const int64_t batch = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, false);
+    const int64_t total_q = q.size(0), heads = q.size(1), heads_k = k.size(1);
+    check_backward_inputs(q, out, dout, softmax_lse, {heads, total_q});
     at::cuda::CUDAGuard device_guard{q.device()};
     (void)gen_;
 
