@@ -20,21 +20,10 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_kernel(const FwdParams p) 
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool row_ok = row < p.rows;
 
-  // Which x0 row feeds this row and which z row it writes (token-dropping subsets).
-  int64_t row_x0 = row, row_z = row;
-  bool has_x0 = row_ok, has_z = row_ok;
-  float scale = 1.f;
-  if (row_ok) {
-    if (p.x0_subset != nullptr) {
-      row_x0 = p.x0_subset[row] - 1;
-      row_z = p.z_subset[row] - 1;
-      has_x0 = row_x0 >= 0;
-      has_z = row_z >= 0;
-      scale = p.rowscale_const;
-    } else if (p.rowscale != nullptr) {
-      scale = load_scalar<I>(p.rowscale, row);
-    }
-  }
+  const RowSource src = row_source<I>(p, row, row_ok);
+  const int64_t row_x0 = src.row_x0, row_z = src.row_z;
+  const bool has_x0 = src.has_x0, has_z = src.has_z;
+  const float scale = src.scale;
   const bool dropout = p.dmask != nullptr;
   PhiloxSeed seed{0, 0};
   if (dropout) seed = unpack_philox(p.philox);

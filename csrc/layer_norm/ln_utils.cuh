@@ -38,6 +38,31 @@ template <typename T> __device__ inline float load_scalar(const void* base, int6
   return TypeInfo<T>::to_float(static_cast<const typename TypeInfo<T>::Bits*>(base)[i]);
 }
 
+// Which x0 row feeds row `row` of the sum and which z row it writes (token-dropping subsets:
+// 1-based indices, 0 = none), and the row's scale (rowscale, or the subset's constant). Shared by
+// the forward and backward kernels, whose params both carry these fields.
+struct RowSource {
+  int64_t row_x0, row_z;
+  bool has_x0, has_z;
+  float scale;
+};
+
+template <typename I, typename Params>
+__device__ inline RowSource row_source(const Params& p, int64_t row, bool row_ok) {
+  RowSource r{row, row, row_ok, row_ok, 1.f};
+  if (!row_ok) return r;
+  if (p.x0_subset != nullptr) {
+    r.row_x0 = p.x0_subset[row] - 1;
+    r.row_z = p.z_subset[row] - 1;
+    r.has_x0 = r.row_x0 >= 0;
+    r.has_z = r.row_z >= 0;
+    r.scale = p.rowscale_const;
+  } else if (p.rowscale != nullptr) {
+    r.scale = load_scalar<I>(p.rowscale, row);
+  }
+  return r;
+}
+
 // kEltsPerVec consecutive elements of type T, moved with 16-byte loads and stores.
 template <typename T> struct Pack {
   using Bits = typename TypeInfo<T>::Bits;
