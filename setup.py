@@ -26,9 +26,6 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).resolve().parent
 PACKAGE_NAME = "flash_attn"
 
-ALL_HDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-ALL_DTYPES = ("fp16", "bf16")
-
 # One row per native extension: its source folder and what it links against.
 EXTENSIONS = {
     "flash_attn_2_cuda": dict(folder="csrc/flash_attn", needs_cutlass=True, attention=True),
@@ -128,12 +125,13 @@ def attention_sources(folder):
     spec = importlib.util.spec_from_file_location("generate_kernels", ROOT / folder / "generate_kernels.py")
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
-    hdims = sorted(int(d) for d in env_list("FLASH_ATTN_HDIMS", ALL_HDIMS))
-    dtypes = env_list("FLASH_ATTN_DTYPES", ALL_DTYPES)
-    unknown = [d for d in hdims if d not in ALL_HDIMS] + [t for t in dtypes if t not in ALL_DTYPES]
+    all_hdims, all_dtypes = generator.HEAD_DIMS, tuple(generator.DTYPES)  # the kernel set lives there
+    hdims = sorted(int(d) for d in env_list("FLASH_ATTN_HDIMS", all_hdims))
+    dtypes = env_list("FLASH_ATTN_DTYPES", all_dtypes)
+    unknown = [d for d in hdims if d not in all_hdims] + [t for t in dtypes if t not in all_dtypes]
     if unknown or not hdims or not dtypes:
         sys.exit(f"flash_attn: FLASH_ATTN_HDIMS/FLASH_ATTN_DTYPES name no or unknown values {unknown}; "
-                 f"choose from {ALL_HDIMS} and {ALL_DTYPES}")
+                 f"choose from {all_hdims} and {all_dtypes}")
     generated = generator.write_instantiations(ROOT / folder / "src" / "generated", hdims, dtypes)
     return [os.path.relpath(p, ROOT) for p in generated]
 

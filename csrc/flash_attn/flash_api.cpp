@@ -110,7 +110,6 @@ void set_common_params(flash::AttentionParams &params, const at::Tensor &q, cons
     if (window_size_right >= seqlen_q) { window_size_right = -1; }
     FLASH_CHECK(window_size_left >= -1 && window_size_right >= -1,
                 "window_size entries must be >= -1, got (", window_size_left, ", ", window_size_right, ")");
-    params.is_causal = is_causal;
     params.window_size_left = window_size_left;
     params.window_size_right = window_size_right;
     params.is_masked = window_size_left >= 0 || window_size_right >= 0;

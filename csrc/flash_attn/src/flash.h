@@ -66,7 +66,6 @@ struct AttentionParams {
 
     // Masking. is_masked: a causal or sliding-window mask applies (window sizes below, -1 = none
     // on that side; causal is window (-1, 0)).
-    bool is_causal = false;
     bool is_masked = false;
     int window_size_left = -1, window_size_right = -1;
 
