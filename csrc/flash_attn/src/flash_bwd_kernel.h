@@ -103,7 +103,7 @@ __device__ __forceinline__ void store_dkv(Acc const &acc, TiledMma const &tiled_
     }
 }
 
-template <typename Traits, bool Is_masked>
+template <typename Traits, bool Is_dropout, bool Is_masked>
 __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo &seq, int n_block, int bidb,
                               int bidh, int dq_accum_split, char *smem) {
     using Element = typename Traits::Element;
@@ -289,9 +289,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     const AttentionMask mask = AttentionMask::make(params, seq, bidb, bidh);
     const bool has_alibi = params.alibi_slopes_ptr != nullptr;
     const bool has_softcap = params.softcap > 0.f;
-    const bool has_dropout = params.p_dropout < 1.f;
     uint64_t seed = 0, offset = 0;
-    if (has_dropout) { philox_seed_offset(params.philox, seed, offset); }
+    if constexpr (Is_dropout) { philox_seed_offset(params.philox, seed, offset); }
     const Dropout dropout(params, seed, offset, bidb, bidh);
     constexpr float kLog2e = 1.4426950408889634f;
 
@@ -349,7 +348,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                 scores(r, c) = exp2f(scores(r, c) * params.scale_softmax_log2 - lse_log2[r]);
             }
         }
-        if (has_dropout) {  // dropped elements become -P (see dS below)
+        if constexpr (Is_dropout) {  // dropped elements become -P (see dS below)
             dropout.apply<true, false>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, lane,
                                        static_cast<Element *>(nullptr), 0);
         }
@@ -369,7 +368,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
             for (int c = 0; c < size<1>(dp); ++c) {
                 const float p = scores(r, c);
                 const bool kept = p >= 0.f;
-                const float dp_kept = has_dropout ? (kept ? dp(r, c) * params.rp_dropout : 0.f) : dp(r, c);
+                const float dp_kept = Is_dropout ? (kept ? dp(r, c) * params.rp_dropout : 0.f) : dp(r, c);
                 float ds = fabsf(p) * (dp_kept - row_d[r]);
                 if (has_softcap) { ds *= float(dtanh_rc(r, c)); }
                 dp(r, c) = ds;
@@ -406,12 +405,12 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     store_dkv<Traits>(acc_dk, tiled_mma_dkv, params.dk_ptr, dk_row0, params.dk_row_stride, kv_rows,
                       params.head_dim, params.softmax_scale);
     store_dkv<Traits>(acc_dv, tiled_mma_dkv, params.dv_ptr, dv_row0, params.dv_row_stride, kv_rows,
-                      params.head_dim, has_dropout ? params.rp_dropout : 1.f);
+                      params.head_dim, Is_dropout ? params.rp_dropout : 1.f);
 }
 
 // grid (splits or key blocks, batch, heads): a CTA walks key blocks blockIdx.x, + gridDim.x, ...
 // (one block unless deterministic), adding dQ into its own dq_accum split when deterministic.
-template <typename Traits, bool Is_masked>
+template <typename Traits, bool Is_dropout, bool Is_masked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
 flash_bwd_kernel(const __grid_constant__ AttentionParams params) {
     extern __shared__ char smem[];
@@ -420,7 +419,7 @@ flash_bwd_kernel(const __grid_constant__ AttentionParams params) {
     const int n_blocks = ceil_div(seq.seqlen_k, Traits::kBlockN);
     const int split = params.deterministic ? int(blockIdx.x) : 0;
     for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
-        bwd_key_block<Traits, Is_masked>(params, seq, n_block, bidb, bidh, split, smem);
+        bwd_key_block<Traits, Is_dropout, Is_masked>(params, seq, n_block, bidb, bidh, split, smem);
         __syncthreads();  // the next key block reuses the shared memory
     }
 }

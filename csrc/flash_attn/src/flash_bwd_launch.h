@@ -1,5 +1,5 @@
 // The launch of the backward: softmax_d, the key-block kernel, and the dq conversion. Included
-// only by the generated instantiation units (one per dtype x head dim x mask).
+// only by the generated instantiation units (one per dtype x head dim x dropout x mask).
 #pragma once
 
 #include "cuda_check.h"
@@ -10,7 +10,7 @@
 
 namespace flash {
 
-template <typename Element, int kHeadDim, bool Is_masked>
+template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
     using Tile = BackwardTile<kHeadDim>;
     using Traits = BackwardTraits<kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kNWarps, Tile::kWarpsMSdP,
@@ -24,7 +24,7 @@ void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
     check_cuda(cudaGetLastError(), "launch of the backward's rowsum(dO * O) kernel");
 
     constexpr int kSmemSize = Traits::kSmemSize;
-    auto kernel = &flash_bwd_kernel<Traits, Is_masked>;
+    auto kernel = &flash_bwd_kernel<Traits, Is_dropout, Is_masked>;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize),
                "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");
     const int n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);

@@ -1,7 +1,8 @@
 // Chooses the compiled kernels for a launch: dtype, head dim (the smallest compiled one that
-// holds the input's), and for the forward dropout on or off and mask (causal / window) on or off.
+// holds the input's), dropout on or off and mask (causal / window) on or off.
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include <cutlass/numeric_types.h>
 
@@ -14,7 +15,7 @@ namespace flash {
 // Defined by the generated instantiation units.
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 void run_mha_fwd_(AttentionParams &params, cudaStream_t stream);
-template <typename Element, int kHeadDim, bool Is_masked>
+template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 void run_mha_bwd_(AttentionParams &params, cudaStream_t stream);
 
 namespace {
@@ -23,34 +24,37 @@ namespace {
 constexpr int kCompiledHeadDims[] = {FLASH_FOR_EACH_COMPILED_HEAD_DIM(FLASH_LIST_ENTRY)};
 #undef FLASH_LIST_ENTRY
 
-template <typename Element, int kHeadDim>
-void run_fwd_with_flags(AttentionParams &params, cudaStream_t stream) {
-    const bool dropout = params.p_dropout < 1.f;
-    if (dropout) {
-        if (params.is_masked) { run_mha_fwd_<Element, kHeadDim, true, true>(params, stream); }
-        else { run_mha_fwd_<Element, kHeadDim, true, false>(params, stream); }
+// Calls run(dropout, masked) with std::bool_constant arguments for the params' dropout and mask
+// (the template flags of both the forward and the backward kernels).
+template <typename Run>
+void with_flags(const AttentionParams &params, Run run) {
+    using T = std::true_type;
+    using F = std::false_type;
+    if (params.p_dropout < 1.f) {
+        if (params.is_masked) { run(T{}, T{}); } else { run(T{}, F{}); }
     } else {
-        if (params.is_masked) { run_mha_fwd_<Element, kHeadDim, false, true>(params, stream); }
-        else { run_mha_fwd_<Element, kHeadDim, false, false>(params, stream); }
+        if (params.is_masked) { run(F{}, T{}); } else { run(F{}, F{}); }
     }
-}
-
-template <typename Element, int kHeadDim>
-void run_bwd_with_flags(AttentionParams &params, cudaStream_t stream) {
-    if (params.is_masked) { run_mha_bwd_<Element, kHeadDim, true>(params, stream); }
-    else { run_mha_bwd_<Element, kHeadDim, false>(params, stream); }
 }
 
 struct ForwardLaunch {
     AttentionParams &params;
     cudaStream_t stream;
-    template <typename Element, int kHeadDim> void operator()() const { run_fwd_with_flags<Element, kHeadDim>(params, stream); }
+    template <typename Element, int kHeadDim> void operator()() const {
+        with_flags(params, [&](auto dropout, auto masked) {
+            run_mha_fwd_<Element, kHeadDim, decltype(dropout)::value, decltype(masked)::value>(params, stream);
+        });
+    }
 };
 
 struct BackwardLaunch {
     AttentionParams &params;
     cudaStream_t stream;
-    template <typename Element, int kHeadDim> void operator()() const { run_bwd_with_flags<Element, kHeadDim>(params, stream); }
+    template <typename Element, int kHeadDim> void operator()() const {
+        with_flags(params, [&](auto dropout, auto masked) {
+            run_mha_bwd_<Element, kHeadDim, decltype(dropout)::value, decltype(masked)::value>(params, stream);
+        });
+    }
 };
 
 // Calls launch.template operator()<Element, kHeadDim>() for the params' dtype and head dim.
