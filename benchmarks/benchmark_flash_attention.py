@@ -17,7 +17,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report, save_plot, time_ms  # noqa: E402
 
-import flash_attn.flash_attn_interface as interface  # noqa: E402
 from flash_attn import flash_attn_func  # noqa: E402
 from flash_attn._native import load_extension  # noqa: E402
 
@@ -165,10 +164,6 @@ def main():
     if backward and not has_backward():
         print("this build has no backward kernels: forward only")
         passes, backward = ["fwd"], False
-    if backward and not interface.backward_enabled:
-        print(f"NOTE: timing the backward kernels although they are not validated yet "
-              f"({interface.UNVALIDATED_BACKWARD_ENV})")
-        interface.backward_enabled = True
     run_speed(args.dtypes.split(","), [int(d) for d in args.dims.split(",")],
               [int(s) for s in args.seqlens.split(",")], passes)
     run_memory(backward=False)

@@ -4,7 +4,6 @@ Data flows one way: a public function normalises its arguments and calls an auto
 which calls a `torch.ops.flash_attn.*` custom op, which calls the `flash_attn_2_cuda` extension.
 """
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -231,23 +230,6 @@ def _normalize_window(window_size, causal):
     return int(left), (0 if causal else int(right))
 
 
-# The backward kernels compile but have not yet passed their GPU tests; until they have,
-# gradients are opt-in (this variable at import, or flash_attn_interface.backward_enabled = True)
-# so that nobody trains on unchecked numbers by accident.
-UNVALIDATED_BACKWARD_ENV = "FLASH_ATTN_UNVALIDATED_BACKWARD"
-backward_enabled = os.environ.get(UNVALIDATED_BACKWARD_ENV, "0") == "1"
-
-
-def _check_backward_enabled():
-    if not backward_enabled:
-        raise NotImplementedError(
-            "flash_attn: the attention backward kernels have not been validated on a GPU yet, so "
-            f"gradients are off by default; set {UNVALIDATED_BACKWARD_ENV}=1 (before import) to use "
-            "them anyway, or "
-            "run the forward under torch.no_grad() / on detached inputs."
-        )
-
-
 class _FlashAttnBase(torch.autograd.Function):
     """Forward and backward of every non-kvcache entry point; subclasses only say how inputs
     and gradients are packed."""
@@ -289,7 +271,6 @@ class _FlashAttnBase(torch.autograd.Function):
     def _grads(ctx, dout, dq=None, dk=None, dv=None):
         """dq, dk, dv of the saved forward, in the padded head dim of its inputs. dq/dk/dv may be
         views into a packed gradient (written in place, no copy)."""
-        _check_backward_enabled()
         st = ctx.settings
         if st["paged"]:
             raise NotImplementedError("flash_attn: no backward through a paged K/V cache (block_table)")
