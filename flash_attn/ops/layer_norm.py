@@ -42,7 +42,9 @@ def _dropout_add_layer_norm_forward(x0, residual, gamma, beta, rowscale, colscal
     Token dropping (x0_subset / out_subset given): row i of the residual stream takes x0 row
     x0_subset[i] - 1 (0: none) and writes output row out_subset[i] - 1 (0: none); x0 is then
     scaled by rowscale_const instead of rowscale."""
-    hidden_size = gamma.numel()
+    # The hidden size is x0's last dimension, never gamma's length: the extension then rejects a
+    # gamma of the wrong shape instead of x0 being silently regrouped into rows of gamma.numel().
+    hidden_size = x0.shape[-1]
     x0mat = x0.view(-1, hidden_size)
     zmat, xmat, dmask, mu, rsigma = dropout_layer_norm.dropout_add_ln_fwd(
         x0mat, _rows(residual, hidden_size), gamma, beta, _flat(rowscale), colscale,
@@ -57,7 +59,7 @@ def _dropout_add_layer_norm_backward(dz, dx, x, x0, dmask, mu, rsigma, gamma, ro
                                      has_residual, is_rms_norm=False):
     """dx is the gradient of the pre-norm sum (None for post-norm); x0 is needed only for the
     gradient of colscale. Returns (dx0, dresidual, dgamma, dbeta, dcolscale or None)."""
-    hidden_size = gamma.numel()
+    hidden_size = x.shape[-1]
     if colscale is not None:
         assert x0 is not None, "x0 is required to compute the gradient of colscale"
     dx0, dresidual, dgamma, dbeta, _, _, *rest = dropout_layer_norm.dropout_add_ln_bwd(
@@ -74,7 +76,7 @@ def _dropout_add_layer_norm_parallel_residual_forward(x0, x1, residual, gamma0, 
                                                       residual_in_fp32=False, is_rms_norm=False):
     """x = dropout(x0) + dropout(x1) + residual; z0, z1 = LN(x) with (gamma0, beta0), (gamma1,
     beta1). Returns (z0, z1, x, dmask0, dmask1, mu, rsigma)."""
-    hidden_size = gamma0.numel()
+    hidden_size = x0.shape[-1]  # as in _dropout_add_layer_norm_forward
     x0mat = x0.view(-1, hidden_size)
     z0, z1, xmat, dmask0, dmask1, mu, rsigma = (
         dropout_layer_norm.dropout_add_ln_parallel_residual_fwd(
@@ -88,7 +90,7 @@ def _dropout_add_layer_norm_parallel_residual_forward(x0, x1, residual, gamma0, 
 def _dropout_add_layer_norm_parallel_residual_backward(dz0, dz1, dx, x, dmask0, dmask1, mu,
                                                        rsigma, gamma0, gamma1, dropout_p, has_x1,
                                                        has_residual, is_rms_norm=False):
-    hidden_size = gamma0.numel()
+    hidden_size = x.shape[-1]
     xmat = x.view(-1, hidden_size)
     dx0, dx1, dresidual, dgamma0, dbeta0, dgamma1, dbeta1, *_ = (
         dropout_layer_norm.dropout_add_ln_parallel_residual_bwd(

@@ -65,8 +65,16 @@ class Timer:
         return Measurement([start.elapsed_time(end) / 1e3 for start, end in events], self.desc)
 
 
-def _autocast(amp, amp_dtype):
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+def _autocast_device(inputs, kwinputs):
+    """Where amp autocasts: the device type of the first tensor input (CPU tensors on a GPU
+    machine too); without one (fn closes over its tensors), CUDA when available, else the CPU."""
+    for t in (*inputs, *kwinputs.values()):
+        if isinstance(t, torch.Tensor) and torch.amp.is_autocast_available(t.device.type):
+            return t.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _autocast(amp, amp_dtype, device_type):
     return torch.autocast(device_type=device_type, dtype=amp_dtype, enabled=amp)
 
 
@@ -99,8 +107,10 @@ def _run(desc, what, stmt, repeats, verbose):
 def benchmark_forward(fn, *inputs, repeats=10, desc="", verbose=True, amp=False,
                       amp_dtype=torch.float16, **kwinputs):
     """Times fn(*inputs, **kwinputs)."""
+    device = _autocast_device(inputs, kwinputs)
+
     def forward():
-        with _autocast(amp, amp_dtype):
+        with _autocast(amp, amp_dtype, device):
             fn(*inputs, **kwinputs)
 
     return _run(desc, "Forward pass", forward, repeats, verbose)
@@ -110,7 +120,8 @@ def benchmark_backward(fn, *inputs, grad=None, repeats=10, desc="", verbose=True
                        amp_dtype=torch.float16, **kwinputs):
     """Times the backward of one forward's output (the first element if fn returns a tuple); the
     graph is kept between runs and the inputs' .grad cleared before each."""
-    with _autocast(amp, amp_dtype):
+    device = _autocast_device(inputs, kwinputs)
+    with _autocast(amp, amp_dtype, device):
         y = _first_output(fn(*inputs, **kwinputs))
     grad = _output_grad(y, grad)
 
@@ -124,13 +135,14 @@ def benchmark_backward(fn, *inputs, grad=None, repeats=10, desc="", verbose=True
 def benchmark_combined(fn, *inputs, grad=None, repeats=10, desc="", verbose=True, amp=False,
                        amp_dtype=torch.float16, **kwinputs):
     """Times forward + backward together."""
+    device = _autocast_device(inputs, kwinputs)
     if grad is None:
-        with _autocast(amp, amp_dtype):
+        with _autocast(amp, amp_dtype, device):
             grad = torch.randn_like(_first_output(fn(*inputs, **kwinputs)))
 
     def forward_backward():
         _clear_grads(inputs)
-        with _autocast(amp, amp_dtype):
+        with _autocast(amp, amp_dtype, device):
             y = _first_output(fn(*inputs, **kwinputs))
         y.backward(_output_grad(y, grad))
 
@@ -167,15 +179,16 @@ def pytorch_profiler(fn, *inputs, trace_filename=None, backward=False, amp=False
     when verbose and writes a Chrome trace to trace_filename if given. Returns the profiler.
     CUDA activity is recorded when CUDA is available, CPU activity when cpu=True (or without
     CUDA, where it is all there is)."""
+    device = _autocast_device(inputs, kwinputs)
     grad = None
     if backward:
-        with _autocast(amp, amp_dtype):
+        with _autocast(amp, amp_dtype, device):
             grad = torch.randn_like(_first_output(fn(*inputs, **kwinputs)))
 
     def step():
         if backward:
             _clear_grads(inputs)
-        with _autocast(amp, amp_dtype):
+        with _autocast(amp, amp_dtype, device):
             y = _first_output(fn(*inputs, **kwinputs))
         if backward:
             y.backward(grad)

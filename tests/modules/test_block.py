@@ -93,16 +93,20 @@ def _fused_available():
 @pytest.mark.parametrize("prenorm", [True, False])
 @pytest.mark.parametrize("norm_cls", [nn.LayerNorm, nn.RMSNorm])
 def test_fused_dropout_add_ln_matches_plain(prenorm, norm_cls):
-    """Runs the Triton kernel (in the interpreter on CPU) through Block's fused path."""
+    """Runs the Triton kernel through Block's fused path, in fp32: on the GPU when there is one
+    (where the conftest leaves the interpreter off, so CPU tensors would not run), else in the
+    interpreter on CPU."""
     if not _fused_available():
         pytest.skip("flash_attn.ops.triton.layer_norm is not available")
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     norm = partial(norm_cls, eps=1e-5)
-    plain = Block(DIM, _mixer, _mlp, norm_cls=norm, prenorm=prenorm).eval()
-    fused = Block(DIM, _mixer, _mlp, norm_cls=norm, prenorm=prenorm, fused_dropout_add_ln=True).eval()
+    plain = Block(DIM, _mixer, _mlp, norm_cls=norm, prenorm=prenorm).to(device).eval()
+    fused = Block(DIM, _mixer, _mlp, norm_cls=norm, prenorm=prenorm,
+                  fused_dropout_add_ln=True).to(device).eval()
     assert fused.fused_dropout_add_ln
     fused.load_state_dict(plain.state_dict())
-    x, res = torch.randn(2, 5, DIM), torch.randn(2, 5, DIM)
+    x, res = torch.randn(2, 5, DIM, device=device), torch.randn(2, 5, DIM, device=device)
     if prenorm:
         (h_p, r_p), (h_f, r_f) = plain(x, res), fused(x, res)
         assert (r_p - r_f).abs().max().item() < 1e-5

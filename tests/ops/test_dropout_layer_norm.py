@@ -48,6 +48,12 @@ class FakeDropoutLayerNorm:
             torch.float32 if residual_in_fp32 else itype)
         subset = x0_subset is not None
         rows, cols = (x0_subset.numel() if subset else x0.shape[0]), x0.shape[1]
+        # The binding's shape check on the weights (check_tensor in csrc/layer_norm/ln_api.cpp).
+        for names, ts in ((("gamma", "gamma1"), gammas), (("beta", "beta1"), betas)):
+            for name, t in zip(names, ts):
+                if t is not None and tuple(t.shape) != (cols,):
+                    raise RuntimeError(f"dropout_layer_norm: {name} must have shape [{cols}], "
+                                       f"got {list(t.shape)}")
         a = x0.float()
         if colscale is not None:
             a = a * colscale.float()
@@ -653,6 +659,20 @@ def test_layer_norm_and_module(ln):
     torch.testing.assert_close(ln.mod.layer_norm(x, norm.weight, norm.bias, 1e-5),
                                F.layer_norm(x, (64,), norm.weight, norm.bias, 1e-5),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_weight_of_another_length_is_an_error(ln):
+    # The hidden size is x0's last dimension: a weight of another length must be rejected, not
+    # taken as the hidden size with x0 regrouped into rows of that length ((4, 64) -> (8, 32)).
+    x = torch.randn(4, 64, device=ln.device)
+    w = torch.randn(64, device=ln.device)
+    with pytest.raises(RuntimeError, match="gamma must have shape"):
+        ln.mod.dropout_add_layer_norm(x, None, w[:32], None, 0.0, 1e-5)
+    with pytest.raises(RuntimeError, match="beta must have shape"):
+        ln.mod.dropout_add_layer_norm(x, None, w, w[:32], 0.0, 1e-5)
+    with pytest.raises(RuntimeError, match="gamma must have shape"):
+        ln.mod.dropout_add_layer_norm_parallel_residual(x, None, None, w[:32], None, None, None,
+                                                        0.0, 1e-5)
 
 
 @pytest.mark.gpu

@@ -116,6 +116,19 @@ def test_amp_enables_autocast():
     assert set(dtypes[1 + Timer.warmup:]) == {torch.float32}
 
 
+def test_amp_autocasts_on_the_device_of_keyword_inputs():
+    # The autocast device comes from the tensor inputs, keyword ones included: CPU tensors are
+    # autocast on the CPU also where CUDA is available.
+    dtypes = []
+
+    def fn(a=None, b=None):
+        dtypes.append((a @ b).dtype)
+
+    a = torch.randn(4, 4)
+    benchmark_forward(fn, a=a, b=a, repeats=1, verbose=False, amp=True, amp_dtype=torch.bfloat16)
+    assert set(dtypes) == {torch.bfloat16}
+
+
 def test_pytorch_profiler_writes_trace(tmp_path, capsys):
     calls = []
 

@@ -58,7 +58,11 @@ def _cross_entropy_fwd_kernel(
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.full((), 0.0, tl.float32)
     sum_x = tl.full((), 0.0, tl.float32)
-    for start in range(0, end, BLOCK):
+    # A while loop, not `for start in range(0, end, BLOCK)`: Triton 3.6's interpreter turns a
+    # runtime range bound into a Python int with int() on a 1-element array, which NumPy >= 2.4
+    # rejects (TypeError: only 0-dimensional arrays can be converted to Python scalars).
+    start = 0
+    while start < end:
         j = start + cols
         if (start >= shift) & (start + BLOCK <= end):
             # Interior block: no mask, so the loads vectorize.
@@ -69,6 +73,7 @@ def _cross_entropy_fwd_kernel(
             x = tl.load(ptr + j, mask=valid, other=0.0).to(tl.float32) * logit_scale
             x = tl.where(valid, x, float("-inf"))
             m, s, sum_x = _lse_step(x, valid, m, s, sum_x, HAS_SMOOTHING)
+        start += BLOCK
     lse = m + tl.log(s)
     tl.store(LSE + row, lse)
 
