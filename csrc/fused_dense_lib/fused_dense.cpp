@@ -1,9 +1,10 @@
-// Torch binding of fused_dense_lib: validates arguments, allocates outputs and workspace, and
-// hands plain pointers to the cuBLASLt code in fused_dense_cuda.cu.
+// Torch binding of fused_dense_lib: validates arguments, allocates outputs, and hands plain pointers
+// to the cuBLASLt code in fused_dense_cuda.cu (the workspace is PyTorch's cuBLASLt workspace).
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <cuda_runtime.h>
 
 #include <optional>
@@ -66,25 +67,16 @@ fused_dense::DType dtype_of(const at::Tensor& t) {
   return t.scalar_type() == at::kHalf ? fused_dense::DType::kFloat16 : fused_dense::DType::kBFloat16;
 }
 
-// 32 MiB lets the Hopper kernels (stream-K, larger tiles) be chosen; 4 MiB suffices before sm_90.
-size_t workspace_bytes(int device) {
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return size_t(major >= 9 ? 32 : 4) << 20;
-}
-
-// Context on the current stream of `like`'s device; `workspace` is null when only the heuristic is
-// queried (its size still matters to the heuristic).
-fused_dense::LtContext make_context(const at::Tensor& like, at::Tensor* workspace) {
+// PyTorch's own cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE, 1 MiB by default), the buffer and its
+// size: no allocation per call, and the heuristic sees what it sees for F.linear and
+// torch._addmm_activation, so candidate 0 is PyTorch's algorithm for the same problem.
+// The caller holds a CUDAGuard for `like`'s device; the buffer belongs to its current stream.
+fused_dense::LtContext make_context(const at::Tensor& like, bool with_workspace) {
   fused_dense::LtContext ctx;
   ctx.device = like.get_device();
   ctx.stream = c10::cuda::getCurrentCUDAStream(ctx.device).stream();
-  ctx.workspace_bytes = workspace_bytes(ctx.device);
-  ctx.workspace = nullptr;
-  if (workspace != nullptr) {
-    *workspace = at::empty({static_cast<int64_t>(ctx.workspace_bytes)}, like.options().dtype(at::kByte));
-    ctx.workspace = workspace->data_ptr();
-  }
+  ctx.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  ctx.workspace = with_workspace ? at::cuda::getCUDABlasLtWorkspace() : nullptr;
   return ctx;
 }
 
@@ -134,7 +126,7 @@ struct DgradCall {
 };
 
 DgradCall prepare_dgrad(const char* op, const at::Tensor& weight, const at::Tensor& d_output,
-                        const at::Tensor& pre_act, bool is_gelu) {
+                        const at::Tensor& pre_act, bool is_gelu, bool with_bias_grad = true) {
   check_arg(op, weight, "weight", kHalfTypes, weight.device(), {kAny, kAny});
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   check_arg(op, d_output, "d_output", {weight.scalar_type()}, weight.device(), {kAny, out_features});
@@ -150,13 +142,13 @@ DgradCall prepare_dgrad(const char* op, const at::Tensor& weight, const at::Tens
   }
   DgradCall call;
   call.d_input = at::empty({batch_size, in_features}, weight.options());
-  call.d_bias = at::empty({in_features}, weight.options());
+  if (with_bias_grad) call.d_bias = at::empty({in_features}, weight.options());
   call.params = {dtype_of(weight),
                  weight.data_ptr(),
                  d_output.data_ptr(),
                  pre_act.data_ptr(),
                  call.d_input.data_ptr(),
-                 call.d_bias.data_ptr(),
+                 with_bias_grad ? call.d_bias.data_ptr() : nullptr,
                  batch_size,
                  in_features,
                  out_features,
@@ -173,8 +165,7 @@ std::vector<at::Tensor> linear_act_forward(const at::Tensor& input, const at::Te
   check_heuristic(op, heuristic);
   ForwardCall call = prepare_forward(op, input, weight, bias, is_gelu, save_pre_act);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  at::Tensor workspace;
-  check_status(op, fused_dense::linear_act_forward(make_context(input, &workspace), call.params,
+  check_status(op, fused_dense::linear_act_forward(make_context(input, true), call.params,
                                                    static_cast<int>(heuristic)));
   if (!save_pre_act) return {call.output};
   return {call.output, call.pre_act};
@@ -186,7 +177,7 @@ int64_t linear_act_forward_num_algos(const at::Tensor& input, const at::Tensor& 
   ForwardCall call = prepare_forward(op, input, weight, bias, is_gelu, save_pre_act);
   const c10::cuda::CUDAGuard device_guard(input.device());
   int count = 0;
-  check_status(op, fused_dense::linear_act_forward_num_algos(make_context(input, nullptr), call.params, &count));
+  check_status(op, fused_dense::linear_act_forward_num_algos(make_context(input, false), call.params, &count));
   return count;
 }
 
@@ -202,8 +193,7 @@ std::vector<at::Tensor> linear_bias_wgrad(const at::Tensor& input, const at::Ten
   fused_dense::WgradParams params = {dtype_of(input), input.data_ptr(), d_output.data_ptr(), d_weight.data_ptr(),
                                      has_d_bias ? d_bias.data_ptr() : nullptr, batch_size, in_features,
                                      out_features};
-  at::Tensor workspace;
-  const fused_dense::LtContext ctx = make_context(input, &workspace);
+  const fused_dense::LtContext ctx = make_context(input, true);
   fused_dense::Status status = fused_dense::linear_bias_wgrad(ctx, params);
   if (status.code == fused_dense::Status::kNoAlgorithm && has_d_bias) {
     // The BGRADB epilogue is refused for this shape: a plain GEMM, and the bias gradient on its own.
@@ -221,8 +211,7 @@ std::vector<at::Tensor> bias_act_linear_dgrad_bgrad(const at::Tensor& weight, co
   check_heuristic(op, heuristic);
   DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu);
   const c10::cuda::CUDAGuard device_guard(weight.device());
-  at::Tensor workspace;
-  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad(make_context(weight, &workspace), call.params,
+  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad(make_context(weight, true), call.params,
                                                             static_cast<int>(heuristic)));
   return {call.d_input, call.d_bias};
 }
@@ -233,7 +222,29 @@ int64_t bias_act_linear_dgrad_bgrad_num_algos(const at::Tensor& weight, const at
   DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu);
   const c10::cuda::CUDAGuard device_guard(weight.device());
   int count = 0;
-  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad_num_algos(make_context(weight, nullptr), call.params,
+  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad_num_algos(make_context(weight, false), call.params,
+                                                                      &count));
+  return count;
+}
+
+at::Tensor act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output, const at::Tensor& pre_act,
+                            bool is_gelu, int64_t heuristic) {
+  const char* op = "act_linear_dgrad";
+  check_heuristic(op, heuristic);
+  DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu, /*with_bias_grad=*/false);
+  const c10::cuda::CUDAGuard device_guard(weight.device());
+  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad(make_context(weight, true), call.params,
+                                                            static_cast<int>(heuristic)));
+  return call.d_input;
+}
+
+int64_t act_linear_dgrad_num_algos(const at::Tensor& weight, const at::Tensor& d_output, const at::Tensor& pre_act,
+                                   bool is_gelu) {
+  const char* op = "act_linear_dgrad_num_algos";
+  DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu, /*with_bias_grad=*/false);
+  const c10::cuda::CUDAGuard device_guard(weight.device());
+  int count = 0;
+  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad_num_algos(make_context(weight, false), call.params,
                                                                       &count));
   return count;
 }
@@ -255,6 +266,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[d_input = act'(pre_act) * (d_output @ weight), d_bias = d_input.sum(0)] through the DGELU_BGRAD or "
         "DRELU_BGRAD epilogue; pre_act is what linear_act_forward saved",
         py::arg("weight"), py::arg("d_output"), py::arg("pre_act"), py::arg("is_gelu"), py::arg("heuristic"));
+  m.def("act_linear_dgrad", &act_linear_dgrad,
+        "d_input = act'(pre_act) * (d_output @ weight) through the DGELU or DRELU epilogue, without the bias "
+        "gradient (take it from the next weight gradient's BGRADB epilogue)",
+        py::arg("weight"), py::arg("d_output"), py::arg("pre_act"), py::arg("is_gelu"), py::arg("heuristic"));
+  m.def("act_linear_dgrad_num_algos", &act_linear_dgrad_num_algos,
+        "how many candidates (<= max_heuristic_algos) the heuristic offers act_linear_dgrad",
+        py::arg("weight"), py::arg("d_output"), py::arg("pre_act"), py::arg("is_gelu"));
   m.def("linear_act_forward_num_algos", &linear_act_forward_num_algos,
         "how many candidates (<= max_heuristic_algos) the heuristic offers linear_act_forward for these arguments",
         py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("is_gelu"), py::arg("save_pre_act"));

@@ -9,6 +9,7 @@
 
 #include <cublasLt.h>
 
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -125,16 +126,28 @@ class LtGemm {
     return Status();
   }
 
-  // The heuristic's candidates, best first; count 0 (not an error) when it has none.
+  // The heuristic's candidates, best first; count 0 (not an error) when it has none. Candidate 0 is
+  // the answer to a request for one algorithm, as PyTorch asks for its own cuBLASLt epilogues
+  // (torch._addmm_activation, F.linear with a bias): a longer request need not put that one first.
   Status candidates(cublasLtHandle_t handle, cublasLtMatmulHeuristicResult_t* results, int* count) {
     *count = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-        handle, desc_, layout_a_, layout_b_, layout_d_, layout_d_, preference_, kMaxHeuristicAlgos, results, count);
-    if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
-      *count = 0;
-      return Status();
-    }
+    int first_count = 0;
+    cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc_, layout_a_, layout_b_, layout_d_, layout_d_,
+                                                           preference_, 1, results, &first_count);
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED) return Status();
     LT_CHECK("cublasLtMatmulAlgoGetHeuristic", status);
+    if (first_count == 0) return Status();
+    cublasLtMatmulHeuristicResult_t more[kMaxHeuristicAlgos];
+    int more_count = 0;
+    status = cublasLtMatmulAlgoGetHeuristic(handle, desc_, layout_a_, layout_b_, layout_d_, layout_d_, preference_,
+                                            kMaxHeuristicAlgos, more, &more_count);
+    if (status != CUBLAS_STATUS_SUCCESS) more_count = 0;  // candidate 0 alone still runs
+    *count = 1;
+    for (int i = 0; i < more_count && *count < kMaxHeuristicAlgos; ++i) {
+      if (std::memcmp(&more[i].algo, &results[0].algo, sizeof(cublasLtMatmulAlgo_t)) != 0) {
+        results[(*count)++] = more[i];
+      }
+    }
     return Status();
   }
 
@@ -300,7 +313,14 @@ GemmSpec dgrad_spec(const DgradParams& p) {
   s.ldb = p.out_features;
   s.d = p.d_input;
   s.ldd = p.in_features;
-  s.epilogue = p.activation == Activation::kGelu ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DRELU_BGRAD;
+  // Without d_bias: DGELU / DRELU alone, the bias gradient then comes from elsewhere (the BGRADB
+  // epilogue of the first layer's weight gradient, which reads the same matrix anyway).
+  const bool gelu = p.activation == Activation::kGelu;
+  if (p.d_bias != nullptr) {
+    s.epilogue = gelu ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DRELU_BGRAD;
+  } else {
+    s.epilogue = gelu ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DRELU;
+  }
   s.bias = p.d_bias;
   s.aux = p.pre_act;
   s.aux_ld = p.in_features;

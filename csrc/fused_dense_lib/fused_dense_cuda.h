@@ -59,14 +59,15 @@ struct WgradParams {
 };
 
 // d_input[b, i] = act'(pre_act[b, i]) * sum_o d_output[b, o] * weight[o, i];
-// d_bias[i] = sum_b d_input[b, i]. Here "input" is the activation's input of the forward.
+// d_bias[i] = sum_b d_input[b, i] when d_bias is not null (DGELU_BGRAD / DRELU_BGRAD epilogue;
+// DGELU / DRELU without it). Here "input" is the activation's input of the forward.
 struct DgradParams {
   DType dtype;
   const void* weight;    // [out_features, in_features]
   const void* d_output;  // [batch_size, out_features]
   const void* pre_act;   // GELU input [batch_size, in_features] or ReLU bit-mask
   void* d_input;         // [batch_size, in_features]
-  void* d_bias;          // [in_features]
+  void* d_bias;          // [in_features] or null
   int64_t batch_size, in_features, out_features;
   Activation activation;
 };

@@ -3,8 +3,10 @@
 Paths a call can take:
 - fused: CUDA fp16/bf16 inputs (or fp32 under CUDA autocast) with the extension built. FusedDense
   runs its forward on F.linear and gets the bias gradient from the weight-gradient GEMM's BGRADB
-  epilogue; FusedMLP also fuses bias + activation into the first GEMM's epilogue and the
-  activation's gradient + bias gradient into the second GEMM's backward (`heuristic` >= 0).
+  epilogue; FusedMLP also fuses bias + activation into the first GEMM's epilogue (saving the
+  pre-activation, GELU_AUX_BIAS / RELU_AUX_BIAS) and the activation's gradient into the second
+  GEMM's input gradient (DGELU / DRELU; the first layer's bias gradient comes from its weight
+  gradient's BGRADB epilogue) (`heuristic` >= 0).
 - plain: anything else (CPU, fp32 without autocast, sizes the epilogues cannot take, extension
   missing) runs exactly the nn.Linear / F.gelu / F.relu computation of a plain PyTorch MLP. With a
   process_group it runs the same autograd Functions on PyTorch ops, so tensor parallelism also
@@ -13,7 +15,8 @@ Paths a call can take:
 heuristic: -1 = GEMM and activation as separate kernels; 0..4 = that candidate of cuBLASLt's
 heuristic; "auto" = measure once per (shape, dtype, device) the candidates and the unfused path,
 for the forward and the backward separately, and the weight gradients' GEMM (BGRADB epilogue or
-PyTorch's mm + sum), and keep the fastest (ties go to what heuristic=-1 runs).
+PyTorch's mm + sum), and keep the fastest (ties go to what heuristic=-1 runs). The candidates are
+timed in interleaved rounds with the L2 cache flushed before each call.
 """
 
 import contextlib
@@ -274,17 +277,19 @@ def _act_forward(x, weight1, bias1, activation, heuristic, save_act_input):
 
 
 def _act_backward(grad_output, weight2, act_input, output1, activation, heuristic):
-    """(grad of the pre-activation, grad of bias1 or None) for 2-D grad_output."""
+    """The gradient of the pre-activation, for 2-D grad_output. Fused (heuristic >= 0): the second
+    layer's input-gradient GEMM with the DGELU / DRELU epilogue. Not its _BGRAD variant: on H100 /
+    H200 the bias-gradient reduction over the batch makes that GEMM 2.5-3.5x slower (bf16 MLP shapes
+    of GPT-2 and Llama), while the first layer's weight-gradient GEMM gets the same sum almost
+    free from its BGRADB epilogue, which reads this same matrix."""
     if heuristic >= 0:
-        grad_pre_act, grad_bias1 = _ext().bias_act_linear_dgrad_bgrad(
-            weight2, grad_output, act_input, activation == "gelu_approx", heuristic)
-        return grad_pre_act, grad_bias1
+        return _ext().act_linear_dgrad(weight2, grad_output, act_input, activation == "gelu_approx", heuristic)
     grad_output1 = grad_output.mm(weight2)
     if activation == "gelu_approx":
-        return gelu_bwd(grad_output1, act_input), None
+        return gelu_bwd(grad_output1, act_input)
     if activation == "sqrelu":
-        return sqrelu_bwd(grad_output1, act_input), None
-    return relu_bwd(grad_output1, output1), None
+        return sqrelu_bwd(grad_output1, act_input)
+    return relu_bwd(grad_output1, output1)
 
 
 class FusedMLPFunc(torch.autograd.Function):
@@ -370,7 +375,7 @@ class FusedMLPFunc(torch.autograd.Function):
             grad_weight2, grad_bias2 = _wgrad(output1, grad_output, ctx.needs_input_grad[4], fused_wgrad)
         elif ctx.needs_input_grad[4]:
             grad_bias2 = grad_output.sum(0)
-        grad_pre_act, grad_bias1 = _act_backward(grad_output, weight2, act_input, output1, activation, bwd_h)
+        grad_pre_act = _act_backward(grad_output, weight2, act_input, output1, activation, bwd_h)
         del output1, act_input
         grad_input = handle_grad_input = None
         if ctx.needs_input_grad[0]:
@@ -383,20 +388,16 @@ class FusedMLPFunc(torch.autograd.Function):
             if process_group is not None:
                 reduce_fn = reduce_scatter_raw if sequence_parallel else all_reduce_raw
                 grad_input, handle_grad_input = reduce_fn(grad_input, process_group, async_op=True)
-        grad_weight1 = None
+        grad_weight1 = grad_bias1 = None
         if ctx.needs_input_grad[1]:
             if handle_x is not None:
                 handle_x.wait()
                 handle_x = None
-            need_bias1 = ctx.needs_input_grad[2] and grad_bias1 is None
-            grad_weight1, grad_bias1_wgrad = _wgrad(total_x.reshape(batch_dim, in_features), grad_pre_act,
-                                                    need_bias1, fused_wgrad)
-            if need_bias1:
-                grad_bias1 = grad_bias1_wgrad
-        elif ctx.needs_input_grad[2] and grad_bias1 is None:
+            # bias1's gradient from the same GEMM (BGRADB epilogue), or mm + sum.
+            grad_weight1, grad_bias1 = _wgrad(total_x.reshape(batch_dim, in_features), grad_pre_act,
+                                              ctx.needs_input_grad[2], fused_wgrad)
+        elif ctx.needs_input_grad[2]:
             grad_bias1 = grad_pre_act.sum(0)
-        if not ctx.needs_input_grad[2]:
-            grad_bias1 = None
         if handle_x is not None:
             handle_x.wait()
         if handle_grad_input is not None:
@@ -414,18 +415,38 @@ _AUTO_PLANS = {}  # (batch_dim, in, hidden, out, dtype, device, activation, has_
 _TIE_MARGIN = 1.01  # a candidate must beat the default by more than timing noise to be chosen
 
 
+_L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (H100/H200: 50-60 MB), as triton's do_bench flushes
+
+
 def _measure_ms(fn, warmup=2, reps=5):
     """Median milliseconds of fn() on the current CUDA stream."""
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
+    return _time_candidates({0: fn}, warmup=warmup, rounds=reps)[0]
+
+
+def _time_candidates(fns, warmup=2, rounds=7):
+    """{key: median milliseconds of fn()} for fns {key: fn}, on the current CUDA stream. Measured in
+    interleaved rounds (one call of each candidate per round), so that clock changes during the
+    search touch every candidate alike rather than favouring the ones timed last; the L2 cache is
+    flushed before each call, since the operands of a layer come from memory, not from the L2."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    events = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events[key].append((start, end))
     torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    return times[len(times) // 2]
+    medians = {}
+    for key, pairs in events.items():
+        times = sorted(start.elapsed_time(end) for start, end in pairs)
+        medians[key] = times[len(times) // 2]
+    return medians
 
 
 def _fastest(times, default=-1):
@@ -446,8 +467,8 @@ def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activ
         w1 = torch.randn(hidden, in_features, device=device, dtype=dtype) * in_features ** -0.5
         b1 = torch.randn(hidden, device=device, dtype=dtype) if has_bias1 else None
         n_fwd = min(ext.linear_act_forward_num_algos(x, w1, b1, is_gelu, training), ext.max_heuristic_algos)
-        fwd_times = {h: _measure_ms(functools.partial(_act_forward, x, w1, b1, activation, h, training))
-                     for h in range(-1, n_fwd)}
+        fwd_times = _time_candidates({h: functools.partial(_act_forward, x, w1, b1, activation, h, training)
+                                      for h in range(-1, n_fwd)})
         fwd = _fastest(fwd_times)
         if not training:
             return fwd, -1, 0
@@ -461,16 +482,14 @@ def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activ
             _wgrad(output1, grad, has_bias2, mode >= 0)
             _wgrad(x, grad_pre_act, has_bias1, mode >= 0)
 
-        wgrad = _fastest({mode: _measure_ms(functools.partial(wgrads, mode)) for mode in (-1, 0)}, default=0)
+        wgrad = _fastest(_time_candidates({mode: functools.partial(wgrads, mode) for mode in (-1, 0)}), default=0)
 
         def backward(h):
-            grad_pre_act, grad_bias1 = _act_backward(grad, w2, fused_act_input if h >= 0 else pre_act, output1,
-                                                     activation, h)
-            _wgrad(x, grad_pre_act, has_bias1 and grad_bias1 is None, wgrad >= 0)
+            grad_pre_act = _act_backward(grad, w2, fused_act_input if h >= 0 else pre_act, output1, activation, h)
+            _wgrad(x, grad_pre_act, has_bias1, wgrad >= 0)
 
-        n_bwd = min(ext.bias_act_linear_dgrad_bgrad_num_algos(w2, grad, fused_act_input, is_gelu),
-                    ext.max_heuristic_algos)
-        bwd_times = {h: _measure_ms(functools.partial(backward, h)) for h in range(-1, n_bwd)}
+        n_bwd = min(ext.act_linear_dgrad_num_algos(w2, grad, fused_act_input, is_gelu), ext.max_heuristic_algos)
+        bwd_times = _time_candidates({h: functools.partial(backward, h) for h in range(-1, n_bwd)})
         bwd = _fastest(bwd_times)
     if activation == "relu" and fwd < 0 <= bwd:
         # The fused ReLU backward needs the fused forward's bit-mask: compare the two pairings.

@@ -184,10 +184,20 @@ class FakeFusedDenseLib:
         d_input = gelu_bwd(d_act_out, pre_act) if is_gelu else d_act_out * unpack_bits(pre_act)
         return [d_input, d_input.sum(0)]
 
+    def act_linear_dgrad(self, weight, d_output, pre_act, is_gelu, heuristic):
+        self._check(weight, d_output, pre_act)
+        assert heuristic >= 0 and pre_act.dtype == (weight.dtype if is_gelu else torch.uint8)
+        self.calls["act_linear_dgrad"] += 1
+        d_act_out = d_output @ weight
+        return gelu_bwd(d_act_out, pre_act) if is_gelu else d_act_out * unpack_bits(pre_act)
+
     def linear_act_forward_num_algos(self, input, weight, bias, is_gelu, save_pre_act):
         return 3
 
     def bias_act_linear_dgrad_bgrad_num_algos(self, weight, d_output, pre_act, is_gelu):
+        return 2
+
+    def act_linear_dgrad_num_algos(self, weight, d_output, pre_act, is_gelu):
         return 2
 
 
@@ -242,7 +252,9 @@ def test_fused_mlp_func_paths(fake_ext, activation, checkpoint_lvl, heuristic, r
     if activation == "relu" and fwd_h < 0:
         bwd_h = -1  # the fused ReLU backward needs the fused forward's bit-mask
     assert (fake_ext.calls["linear_act_forward"] > 0) == (fwd_h >= 0)
-    assert (fake_ext.calls["bias_act_linear_dgrad_bgrad"] > 0) == (bwd_h >= 0)
+    # The fused backward is DGELU / DRELU alone: bias1's gradient comes with its weight gradient.
+    assert (fake_ext.calls["act_linear_dgrad"] > 0) == (bwd_h >= 0)
+    assert fake_ext.calls["bias_act_linear_dgrad_bgrad"] == 0
     # The weight gradients of both GEMMs, unless PyTorch's mm + sum was chosen for them.
     assert fake_ext.calls["linear_bias_wgrad"] == (2 if wgrad_h >= 0 else 0)
 
@@ -317,15 +329,18 @@ def test_fused_dense_func_paths(fake_ext, bias, return_residual, frozen_weight):
 
 
 def scripted_timer(tables, log):
-    """A stand-in for _measure_ms answering from tables {"fwd"|"wgrad"|"bwd": {candidate: ms}}."""
+    """A stand-in for _time_candidates answering from tables {"fwd"|"wgrad"|"bwd": {candidate: ms}}."""
 
-    def measure(fn, **kwargs):
+    def measure_one(fn):
         if fn.func is fd._act_forward:
             stage, h = "fwd", fn.args[4]
         else:  # _tune_mlp's local functions
             stage, h = {"wgrads": "wgrad", "backward": "bwd"}[fn.func.__name__], fn.args[0]
         log.append((stage, h))
         return tables[stage][h]
+
+    def measure(fns, **kwargs):
+        return {key: measure_one(fn) for key, fn in fns.items()}
 
     return measure
 
@@ -345,7 +360,7 @@ def scripted_timer(tables, log):
 ])
 def test_auto_plan(fake_ext, monkeypatch, activation, tables, training, plan):
     log = []
-    monkeypatch.setattr(fd, "_measure_ms", scripted_timer(tables, log))
+    monkeypatch.setattr(fd, "_time_candidates", scripted_timer(tables, log))
     torch.manual_seed(0)
     mlp = FusedMLP(16, 128, activation=activation, dtype=torch.float64).train(training)
     x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
@@ -462,6 +477,30 @@ def test_bias_act_linear_dgrad_bgrad(dtype, is_gelu, heuristic, batch, hidden, o
     assert_within_reference("d_input", d_input, ref_lowp, ref32)
     # PyTorch's bias gradient is rounded to the dtype once, after an fp32 sum.
     assert_within_reference("d_bias", d_bias, ref_lowp.float().sum(0).to(dtype), ref32.sum(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_gelu", [True, False])
+@pytest.mark.parametrize("heuristic", [0, 1, 4])
+@pytest.mark.parametrize("batch,hidden,out_features", SHAPES)
+def test_act_linear_dgrad(dtype, is_gelu, heuristic, batch, hidden, out_features):
+    ext = load_ext()
+    torch.manual_seed(0)
+    x = torch.randn(batch, 64, device="cuda", dtype=dtype)
+    w1 = torch.randn(hidden, 64, device="cuda", dtype=dtype) / 8
+    output1, aux = ext.linear_act_forward(x, w1, None, is_gelu, True, 0)
+    w2 = torch.randn(out_features, hidden, device="cuda", dtype=dtype) / math.sqrt(hidden)
+    g = torch.randn(batch, out_features, device="cuda", dtype=dtype)
+    d_input = ext.act_linear_dgrad(w2, g, aux, is_gelu, heuristic)
+    assert d_input.shape == (batch, hidden) and d_input.dtype == dtype
+
+    def reference(g, w2):
+        d_act = g @ w2
+        return gelu_bwd(d_act, aux.to(d_act.dtype)) if is_gelu else d_act * (output1 > 0)
+
+    assert_within_reference("d_input", d_input, reference(g, w2), reference(g.float(), w2.float()))
+    assert 1 <= ext.act_linear_dgrad_num_algos(w2, g, aux, is_gelu) <= ext.max_heuristic_algos
 
 
 @pytest.mark.gpu
