@@ -390,8 +390,10 @@ def test_generate_qkv_packed_and_unmasked():
     _check_leaves(qkv_unpad, qkv)
     assert qkv.shape == (b, s, 3, h, d) and torch.equal(cu, cu_q) and max_s == max_q
     _close(dqkv_fn(qkv_unpad)[:, :, 0], q * mask[..., None, None], atol=0, rtol=0)
+    other = mask.clone()
+    other[0, 0] = ~other[0, 0]  # differs from mask whatever the random draw gave
     with pytest.raises(ValueError, match="query_padding_mask"):
-        generate_qkv(q, k, v, mask, torch.ones_like(mask), qkvpacked=True)
+        generate_qkv(q, k, v, mask, other, qkvpacked=True)
     # Without masks everything is one full-length sequence per batch.
     q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, *_, out_fn, _, _ = generate_qkv(q, k, v)
     assert cu_q.dtype == torch.int32 and cu_q.tolist() == [0, 5, 10] and max_q == max_k == 5
