@@ -327,12 +327,13 @@ void set_backward_params(flash::AttentionParams &params, const at::Tensor &q, co
     params.num_splits = deterministic ? std::max(1, std::min(n_blocks, (sms + params.batch * params.heads - 1) /
                                                                           std::max(1, params.batch * params.heads)))
                                       : 1;
-    buf.dq_accum = at::zeros({params.num_splits, accum_rows, params.heads, kernel_head_dim},
+    // (splits, heads, rows, kernel head dim): a query block's rows are contiguous (see flash.h).
+    buf.dq_accum = at::zeros({params.num_splits, params.heads, accum_rows, kernel_head_dim},
                              q.options().dtype(at::kFloat));
     params.dq_accum_ptr = buf.dq_accum.data_ptr<float>();
     params.dq_accum_split_stride = buf.dq_accum.stride(0);
-    params.dq_accum_row_stride = buf.dq_accum.stride(1);
-    params.dq_accum_head_stride = buf.dq_accum.stride(2);
+    params.dq_accum_head_stride = buf.dq_accum.stride(1);
+    params.dq_accum_row_stride = buf.dq_accum.stride(2);
     if (params.p_dropout < 1.f) {
         FLASH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong && rng_state.device() == q.device(),
                     "rng_state must be the (2,) int64 tensor the forward returned, got ", rng_state.sizes(), " ",
@@ -402,7 +403,6 @@ std::vector<at::Tensor> mha_bwd(const at::Tensor &dout, const at::Tensor &q, con
     set_grad_strides(params, buf, dout);
     set_backward_params(params, q, dout, buf, rng_state_.value_or(at::Tensor()), deterministic,
                         batch * round_up(seqlen_q, 128));
-    params.dq_accum_batch_stride = round_up(seqlen_q, 128) * params.dq_accum_row_stride;
 
     if (q.numel() > 0 && seqlen_k > 0) {
         flash::run_mha_bwd(params, at::cuda::getCurrentCUDAStream().stream());

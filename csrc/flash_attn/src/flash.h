@@ -82,9 +82,10 @@ struct AttentionParams {
 
     // Backward. dO is laid out like O; dq like q; dk/dv (batch, seqlen_k, heads, head_dim) hold
     // one gradient per query head (the binding sums a GQA group). dq accumulates in fp32 in
-    // dq_accum (num_splits, batch, seqlen_q_rounded, heads, kernel head dim), or for varlen
-    // (num_splits, total_q + 128, heads, kernel head dim); softmax_d = rowsum(dO * O) is laid out
-    // like softmax_lse.
+    // dq_accum (num_splits, heads, rows, kernel head dim) with rows = batch * seqlen_q_rounded, or
+    // total_q + 128 for varlen, so that a query block is one contiguous range (the row stride is the
+    // kernel head dim; flash_bwd_kernel.h's dq_accum_col permutes the columns of each row);
+    // softmax_d = rowsum(dO * O) is laid out like softmax_lse.
     void *__restrict__ do_ptr = nullptr;
     index_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
     void *__restrict__ dq_ptr = nullptr;
@@ -94,8 +95,7 @@ struct AttentionParams {
     index_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
     index_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
     float *__restrict__ dq_accum_ptr = nullptr;
-    index_t dq_accum_split_stride = 0, dq_accum_batch_stride = 0, dq_accum_row_stride = 0,
-            dq_accum_head_stride = 0;
+    index_t dq_accum_split_stride = 0, dq_accum_head_stride = 0, dq_accum_row_stride = 0;
     float *__restrict__ softmax_d_ptr = nullptr;
     // deterministic: num_splits CTAs per (batch, head) each walk their own key blocks and add into
     // their own dq_accum slice in a fixed order; otherwise one CTA per key block, one slice.

@@ -56,6 +56,15 @@ __global__ void flash_bwd_dot_do_o_kernel(const __grid_constant__ AttentionParam
 // 3. dq = softmax_scale * sum over splits of dq_accum, converted and written with dq's strides.
 // ---------------------------------------------------------------------------------------------
 
+// dq_accum is (num_splits, heads, rows, kernel head dim) fp32 with rows = batch * seqlen_q_rounded
+// (padded inputs) or total_q + 128 (varlen), so that a query block's rows are one contiguous range.
+// Within a row, the 8-float chunks are rotated by the row index mod 8: the eight rows of an MMA
+// fragment then fall in distinct banks when a dQ tile is staged in shared memory (see DqAccumWriter).
+__host__ __device__ __forceinline__ int dq_accum_col(int64_t row, int col, int kernel_head_dim) {
+    const int chunks = kernel_head_dim / 8;
+    return ((col / 8 + int(row & 7)) % chunks) * 8 + col % 8;
+}
+
 template <typename Element>
 __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ AttentionParams params, int num_tokens) {
     const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -63,16 +72,18 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ AttentionPar
     if (idx >= int64_t(num_tokens) * per_token) { return; }
     const int token = int(idx / per_token);
     const int head = int(idx % per_token) / params.head_dim, col = int(idx % params.head_dim);
-    int64_t acc_off, dq_off;
+    int64_t acc_row, dq_off;
     if (params.cu_seqlens_q != nullptr) {
-        acc_off = int64_t(token) * params.dq_accum_row_stride;
+        acc_row = token;
         dq_off = int64_t(token) * params.dq_row_stride;
     } else {
         const int b = token / params.seqlen_q, row = token % params.seqlen_q;
-        acc_off = b * params.dq_accum_batch_stride + int64_t(row) * params.dq_accum_row_stride;
+        acc_row = int64_t(b) * params.seqlen_q_rounded + row;
         dq_off = b * params.dq_batch_stride + int64_t(row) * params.dq_row_stride;
     }
-    acc_off += int64_t(head) * params.dq_accum_head_stride + col;
+    const int kernel_head_dim = int(params.dq_accum_row_stride);
+    const int64_t acc_off = int64_t(head) * params.dq_accum_head_stride + acc_row * kernel_head_dim +
+                            dq_accum_col(acc_row, col, kernel_head_dim);
     float sum = 0.f;
     for (int split = 0; split < params.num_splits; ++split) {  // fixed order: deterministic
         sum += params.dq_accum_ptr[split * params.dq_accum_split_stride + acc_off];
@@ -102,6 +113,62 @@ __device__ __forceinline__ void store_dkv(Acc const &acc, TiledMma const &tiled_
         if (get<0>(tc(i)) < rows_valid && get<1>(tc(i)) < head_dim) { tg(i) = Element(acc(i) * scale); }
     }
 }
+
+// Adds each query block's dQ (an accumulator of tiled_mma_dq) into dq_accum. On sm90, when the
+// tile fits (Traits::kdQStagingFits), all threads stage it in shared memory (stage) and one thread
+// hands it to the TMA unit as a single bulk reduce-add at the start of the next iteration (flush),
+// so the load/store unit issues no atomics; otherwise every thread adds its elements atomically.
+template <typename Traits>
+struct DqAccumWriter {
+    static constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+    static constexpr bool kStaged = Traits::kdQStagingFits && FLASH_ARCH_SM90;
+    float *dq_accum;  // row 0 of this (split, head, sequence)
+    float *smem_dq;
+    int row0;         // dq_accum row index of row 0, mod 8 (it keys the chunk rotation)
+    int pending = -1; // query block staged but not yet handed to the TMA unit
+
+    template <typename Acc, typename Coords>
+    __device__ __forceinline__ void add(Acc const &acc_dq, Coords const &coords, int m_block) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i + 1): adjacent columns of one row
+            const int row = get<0>(coords(i)), col = get<1>(coords(i));
+            const int offset = row * kHeadDim + dq_accum_col(row0 + row, col, kHeadDim);
+            if constexpr (kStaged) {
+                *reinterpret_cast<float2 *>(smem_dq + offset) = make_float2(acc_dq(i), acc_dq(i + 1));
+            } else {
+                atomic_add_pair(dq_accum + int64_t(m_block) * kBlockM * kHeadDim + offset, acc_dq(i), acc_dq(i + 1));
+            }
+        }
+        if constexpr (kStaged) {
+            fence_smem_for_bulk();
+            pending = m_block;
+        }
+    }
+    // After a barrier that follows add(): the staged tile goes out.
+    __device__ __forceinline__ void flush() {
+        if constexpr (kStaged) {
+            if (pending >= 0 && threadIdx.x == 0) {
+                bulk_reduce_add(dq_accum + int64_t(pending) * kBlockM * kHeadDim, smem_dq, kBlockM * kHeadDim * 4);
+            }
+            pending = -1;
+        }
+    }
+    // Before a barrier that precedes the next add(): the staging tile is free again.
+    __device__ __forceinline__ void wait_staging_free() {
+        if constexpr (kStaged) {
+            if (threadIdx.x == 0) { bulk_wait(); }
+        }
+    }
+    // At the end of a key block: everything issued has landed (a deterministic CTA adds the same
+    // rows again from its next key block, and must do so in order).
+    __device__ __forceinline__ void finish() {
+        if constexpr (kStaged) {
+            __syncthreads();
+            flush();
+            if (threadIdx.x == 0) { bulk_wait<true>(); }
+        }
+    }
+};
 
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo &seq, int n_block, int bidb,
@@ -279,11 +346,12 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
     constexpr int kRows = decltype(size<0>(tScS_rc))::value;
 
-    // dq_accum rows of this (batch, head); rows past the sequence only ever receive exact zeros.
-    float *dq_accum = params.dq_accum_ptr + dq_accum_split * params.dq_accum_split_stride +
-                      (seq.q_start >= 0 ? int64_t(seq.q_start) * params.dq_accum_row_stride
-                                        : bidb * params.dq_accum_batch_stride) +
-                      int64_t(bidh) * params.dq_accum_head_stride;
+    // dq_accum rows of this (split, head, sequence); rows past the sequence only ever receive exact
+    // zeros (P is 0 there).
+    const int64_t dq_row0 = seq.q_start >= 0 ? seq.q_start : int64_t(bidb) * params.seqlen_q_rounded;
+    DqAccumWriter<Traits> dq_writer{params.dq_accum_ptr + dq_accum_split * params.dq_accum_split_stride +
+                                        int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * kHeadDim,
+                                    reinterpret_cast<float *>(smem + Traits::kSmemSize), int(dq_row0 & 7)};
     Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
     const AttentionMask mask = AttentionMask::make(params, seq, bidb, bidh);
@@ -298,6 +366,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         const int buf = (m_block - m_block_min) % 2;
         cute::cp_async_wait<0>();
         __syncthreads();  // Q/dO[m] (and K, V) landed; every warp is done with the last iteration's tiles
+        dq_writer.flush();
         if (m_block + 1 < m_block_max) {
             load_q_do(m_block + 1, buf ^ 1);
             cute::cp_async_fence();
@@ -315,11 +384,18 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
             row_d[r] = valid ? params.softmax_d_ptr[idx] : 0.f;
         }
 
-        // S = Q K^T, then the forward's score modifications, then P = exp(S - lse).
+        // S = Q K^T and dP = dO V^T, both issued before any element-wise work so that the exp and
+        // mask instructions below overlap with the tensor cores still working on dP.
         Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
         clear(acc_s);
         gemm(acc_s, tSrQ, tSrK, thr_copy_A_sdp.partition_S(sQ(buf)), tSsK, tiled_mma_sdp, smem_copy_A_sdp,
              smem_copy_B_sdp, thr_copy_A_sdp, thr_copy_B_sdp);
+        Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        clear(acc_dp);
+        gemm(acc_dp, tdPrdO, tdPrV, thr_copy_A_sdp.partition_S(sdO(buf)), tdPsV, tiled_mma_sdp,
+             smem_copy_A_sdp, smem_copy_B_sdp, thr_copy_A_sdp, thr_copy_B_sdp);
+
+        // The forward's score modifications, then P = exp(S - lse).
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
         const bool needs_mask = mask.tile_needs_mask<Is_masked>(
             m_block * kBlockM, (m_block + 1) * kBlockM - 1, n_block * kBlockN, (n_block + 1) * kBlockN - 1);
@@ -353,11 +429,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                                        static_cast<Element *>(nullptr), 0);
         }
 
-        // dP = dO V^T; dS = P (dP / p_keep (0 where dropped) - softmax_d) [* (1 - tanh^2)].
-        Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        clear(acc_dp);
-        gemm(acc_dp, tdPrdO, tdPrV, thr_copy_A_sdp.partition_S(sdO(buf)), tdPsV, tiled_mma_sdp,
-             smem_copy_A_sdp, smem_copy_B_sdp, thr_copy_A_sdp, thr_copy_B_sdp);
+        // dS = P (dP / p_keep (0 where dropped) - softmax_d) [* (1 - tanh^2)].
         Tensor dp = make_tensor(acc_dp.data(), acc_as_rowcol(acc_dp.layout()));
         Tensor dtanh_staged = make_tensor<Element>(acc_dp.layout());
         if (has_softcap) { cute::copy(smem_copy_PdS, tdSsdS, thr_copy_PdS.retile_D(dtanh_staged)); }
@@ -379,28 +451,26 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         Tensor rdS = convert_type<Element>(acc_dp);
         cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
         cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
-        __syncthreads();  // P and dS complete in shared memory
+        dq_writer.wait_staging_free();
+        __syncthreads();  // P and dS complete in shared memory; the dQ staging tile is free
 
         // dV += P^T dO (the 1 / p_keep of dropout is applied once, at the end).
         gemm(acc_dv, tdVrPt, tdVrdOt, tdVsPt, thr_copy_Bt_dkv.partition_S(sdOt(buf)), tiled_mma_dkv,
              smem_copy_At_dkv, smem_copy_Bt_dkv, thr_copy_At_dkv, thr_copy_Bt_dkv);
 
-        // dQ += dS K, added to dq_accum in fp32.
+        // dQ += dS K, into dq_accum in fp32.
         Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         clear(acc_dq);
         gemm(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_copy_A_dq, smem_copy_Bt_dq,
              thr_copy_A_dq, thr_copy_Bt_dq);
-        float *dq_accum_block = dq_accum + int64_t(m_block) * kBlockM * params.dq_accum_row_stride;
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); ++i) {
-            atomicAdd(dq_accum_block + int64_t(get<0>(tdQcdQ(i))) * params.dq_accum_row_stride + get<1>(tdQcdQ(i)),
-                      acc_dq(i));
-        }
+        dq_writer.add(acc_dq, tdQcdQ, m_block);
 
         // dK += dS^T Q.
         gemm(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, thr_copy_Bt_dkv.partition_S(sQt(buf)), tiled_mma_dkv,
              smem_copy_At_dkv, smem_copy_Bt_dkv, thr_copy_At_dkv, thr_copy_Bt_dkv);
     }
+
+    dq_writer.finish();
 
     store_dkv<Traits>(acc_dk, tiled_mma_dkv, params.dk_ptr, dk_row0, params.dk_row_stride, kv_rows,
                       params.head_dim, params.softmax_scale);

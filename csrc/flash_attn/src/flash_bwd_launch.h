@@ -23,7 +23,12 @@ void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
         <<<unsigned((dot_threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(params, num_tokens);
     check_cuda(cudaGetLastError(), "launch of the backward's rowsum(dO * O) kernel");
 
-    constexpr int kSmemSize = Traits::kSmemSize;
+    // The sm90 code stages dQ after the tiles when it fits (DqAccumWriter); give it the room.
+    int device = 0, cc_major = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device),
+               "cudaDeviceGetAttribute(compute capability)");
+    const int kSmemSize = Traits::kSmemSize + (Traits::kdQStagingFits && cc_major >= 9 ? Traits::kSmemdQSize : 0);
     auto kernel = &flash_bwd_kernel<Traits, Is_dropout, Is_masked>;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize),
                "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");
