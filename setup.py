@@ -12,6 +12,9 @@ Environment knobs (all optional):
   FLASH_ATTN_EXTENSIONS="fused_dense_lib,dropout_layer_norm"  extensions to build (default: all)
   MAX_JOBS, NVCC_THREADS                parallel compile jobs (ninja) and nvcc threads per job
   CUTLASS_PATH                          CUTLASS checkout or include dir (default: nvidia-cutlass)
+  FLASH_ATTN_PREBUILT_DIR               objects of attention units compiled by
+                                        scripts/prebuild_kernels.py; each is linked instead of
+                                        compiled while its sources and flags are unchanged
 """
 
 import glob
@@ -25,6 +28,16 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE_NAME = "flash_attn"
+
+
+def load_module(name, path):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_flags = load_module("build_flags", "csrc/build_flags.py")  # nvcc flags, prebuilt-unit keys
 
 # One row per native extension: its source folder and what it links against.
 EXTENSIONS = {
@@ -68,21 +81,10 @@ def cuda_build_reason_to_skip():
 
 
 def cutlass_include_dir():
-    candidates = []
-    if os.getenv("CUTLASS_PATH"):
-        base = Path(os.environ["CUTLASS_PATH"])
-        candidates += [base / "include", base]
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is not None and spec.origin is not None:
-        candidates.append(Path(spec.origin).parent / "source" / "include")
-    for path in candidates:
-        if (path / "cute" / "tensor.hpp").is_file():
-            return str(path)
-    sys.exit(
-        "flash_attn: the CUTLASS/CuTe headers were not found. Install them with "
-        "`pip install nvidia-cutlass` or point CUTLASS_PATH at a CUTLASS checkout "
-        f"(looked in: {', '.join(map(str, candidates)) or 'nothing'})."
-    )
+    try:
+        return build_flags.cutlass_include_dir()
+    except FileNotFoundError as err:
+        sys.exit(f"flash_attn: {err}")
 
 
 def nvidia_wheel_dirs(component):
@@ -111,20 +113,9 @@ def cuda_archs():
     return archs
 
 
-def gencode_flags(archs):
-    flags = []
-    for arch in archs:
-        # sm_90 is built as sm_90a so that the Hopper-only instructions (wgmma, setmaxnreg) are allowed.
-        target = f"{arch}a" if arch == "90" else arch
-        flags += ["-gencode", f"arch=compute_{target},code=sm_{target}"]
-    return flags
-
-
 def attention_sources(folder):
     """Generated instantiation units of the attention kernels selected by FLASH_ATTN_HDIMS/DTYPES."""
-    spec = importlib.util.spec_from_file_location("generate_kernels", ROOT / folder / "generate_kernels.py")
-    generator = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generator)
+    generator = load_module("generate_kernels", f"{folder}/generate_kernels.py")
     all_hdims, all_dtypes = generator.HEAD_DIMS, tuple(generator.DTYPES)  # the kernel set lives there
     hdims = sorted(int(d) for d in env_list("FLASH_ATTN_HDIMS", all_hdims))
     dtypes = env_list("FLASH_ATTN_DTYPES", all_dtypes)
@@ -134,6 +125,25 @@ def attention_sources(folder):
                  f"choose from {all_hdims} and {all_dtypes}")
     generated = generator.write_instantiations(ROOT / folder / "src" / "generated", hdims, dtypes)
     return [os.path.relpath(p, ROOT) for p in generated]
+
+
+def split_prebuilt(units, folder, cutlass_dir, key_flags):
+    """(units to compile, objects to link): a unit whose object in FLASH_ATTN_PREBUILT_DIR was
+    compiled from the same sources and flags (build_flags.unit_key) is linked, not compiled."""
+    prebuilt = os.getenv("FLASH_ATTN_PREBUILT_DIR")
+    if not prebuilt:
+        return units, []
+    to_compile, objects = [], []
+    for unit in units:
+        stem = Path(prebuilt) / Path(unit).stem
+        key_file, obj = stem.with_suffix(".key"), stem.with_suffix(".o")
+        key = build_flags.unit_key(ROOT / unit, ROOT / folder / "src", cutlass_dir, key_flags)
+        if obj.is_file() and key_file.is_file() and key_file.read_text().strip() == key:
+            objects.append(str(obj))
+        else:
+            to_compile.append(unit)
+    print(f"flash_attn: {len(objects)} attention units prebuilt in {prebuilt}, {len(to_compile)} to compile")
+    return to_compile, objects
 
 
 def cuda_extensions():
@@ -146,13 +156,8 @@ def cuda_extensions():
     wanted = env_list("FLASH_ATTN_EXTENSIONS", EXTENSIONS)
     archs = cuda_archs()
     nvcc_threads = os.getenv("NVCC_THREADS", "2")
-    common_nvcc = [
-        "-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
-        "--expt-relaxed-constexpr", "--expt-extended-lambda",
-        "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-        "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-        "--threads", nvcc_threads,
-    ] + gencode_flags(archs)
+    key_flags = build_flags.NVCC_FLAGS + build_flags.gencode_flags(archs)
+    common_nvcc = key_flags + ["--threads", nvcc_threads]
     print(f"flash_attn: building {wanted} for sm {archs} with MAX_JOBS={os.getenv('MAX_JOBS', 'auto')}")
 
     extensions = []
@@ -170,7 +175,7 @@ def cuda_extensions():
         if not sources:
             continue  # this extension has not been written yet
         include_dirs = [str(ROOT / folder), str(ROOT / folder / "src")]
-        library_dirs = []
+        library_dirs, extra_objects = [], []
         if row.get("needs_cutlass"):
             include_dirs.append(cutlass_include_dir())
         for component in row.get("nvidia_wheels", ()):
@@ -178,7 +183,8 @@ def cuda_extensions():
             include_dirs += inc
             library_dirs += lib
         if row.get("attention"):
-            sources += attention_sources(folder)
+            units, extra_objects = split_prebuilt(attention_sources(folder), folder, cutlass_include_dir(), key_flags)
+            sources += units
         extensions.append(
             CUDAExtension(
                 name=name,
@@ -186,6 +192,7 @@ def cuda_extensions():
                 include_dirs=include_dirs,
                 library_dirs=library_dirs,
                 libraries=row.get("libraries", []),
+                extra_objects=extra_objects,
                 extra_compile_args={"cxx": ["-O3"], "nvcc": common_nvcc},
             )
         )

@@ -11,6 +11,8 @@
 #   GPU_CHECK_BENCHMARKS  benchmark scripts to run (default: every benchmarks/benchmark_*.py);
 #                         "none" runs none
 #   GPU_CHECK_SKIP_BUILD  set to 1 to reuse an existing install
+#   GPU_CHECK_PYTEST_TIMEOUT, GPU_CHECK_BENCH_TIMEOUT  seconds for the whole pytest run and for each
+#                         benchmark (default: no limit)
 #   and the build knobs of setup.py (FLASH_ATTN_HDIMS, FLASH_ATTN_DTYPES, MAX_JOBS, ...).
 set -uo pipefail
 
@@ -64,7 +66,7 @@ python3 -c "import flash_attn._native as n; print('extensions:', {e: n.extension
 ('flash_attn_2_cuda', 'fused_dense_lib', 'dropout_layer_norm')})" 2>&1 | tee -a "$SUMMARY"
 
 # shellcheck disable=SC2086
-python3 -m pytest ${GPU_CHECK_TESTS:-tests} -q -p no:cacheprovider ${GPU_CHECK_PYTEST_ARGS:-} \
+timeout "${GPU_CHECK_PYTEST_TIMEOUT:-0}" python3 -m pytest ${GPU_CHECK_TESTS:-tests} -q -p no:cacheprovider ${GPU_CHECK_PYTEST_ARGS:-} \
   --junitxml="$LOG_DIR/junit.xml" >"$LOG_DIR/pytest.log" 2>&1
 note "pytest: exit $? -- $(tail -n 1 "$LOG_DIR/pytest.log")"
 grep -E "^(FAILED|ERROR)" "$LOG_DIR/pytest.log" | head -30 | tee -a "$SUMMARY"
@@ -75,7 +77,7 @@ if [ "$benchmarks" != none ]; then
   for bench in $benchmarks; do
     name=$(basename "$bench" .py)
     start=$(date +%s)
-    python3 "$bench" >"$LOG_DIR/$name.log" 2>&1
+    timeout "${GPU_CHECK_BENCH_TIMEOUT:-0}" python3 "$bench" >"$LOG_DIR/$name.log" 2>&1
     note "$name: exit $? in $(( $(date +%s) - start )) s"
     tail -n 40 "$LOG_DIR/$name.log"
   done

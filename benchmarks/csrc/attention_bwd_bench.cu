@@ -1,0 +1,167 @@
+// Times the attention backward kernels without PyTorch: a tuning harness that links against the
+// generated kernel units of any source tree, so that several kernel variants compiled here can be
+// timed in one short GPU session. Reports TFLOP/s of the backward (2.5x the forward's FLOPs),
+// inputs laid out (batch, seqlen, heads, head_dim) as benchmark_flash_attention.py uses them.
+//
+//   scripts/build_bwd_bench.sh SRC_DIR OUT_BINARY   (compiles the units + this file)
+//   OUT_BINARY [head_dim ...]                       (64 and/or 128; default both)
+//   OUT_BINARY --one HEAD_DIM SEQLEN                (one non-causal case, e.g. under ncu)
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cutlass/numeric_types.h>
+
+#include "flash.h"
+
+// Defined by the generated instantiation units (only the no-dropout ones are linked).
+namespace flash {
+template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
+void run_mha_fwd_(AttentionParams &params, cudaStream_t stream);
+template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
+void run_mha_bwd_(AttentionParams &params, cudaStream_t stream);
+}  // namespace flash
+
+template <int kHeadDim>
+static void launch(flash::AttentionParams &params, bool backward) {
+    using E = cutlass::bfloat16_t;
+    if (backward) {
+        params.is_masked ? flash::run_mha_bwd_<E, kHeadDim, false, true>(params, 0)
+                         : flash::run_mha_bwd_<E, kHeadDim, false, false>(params, 0);
+    } else {
+        params.is_masked ? flash::run_mha_fwd_<E, kHeadDim, false, true>(params, 0)
+                         : flash::run_mha_fwd_<E, kHeadDim, false, false>(params, 0);
+    }
+}
+
+static void launch(flash::AttentionParams &params, bool backward) {
+    if (params.head_dim == 64) { launch<64>(params, backward); } else { launch<128>(params, backward); }
+}
+
+#define CHECK(x)                                                                                   \
+    do {                                                                                           \
+        cudaError_t err_ = (x);                                                                    \
+        if (err_ != cudaSuccess) {                                                                 \
+            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_)); \
+            std::exit(1);                                                                          \
+        }                                                                                          \
+    } while (0)
+
+__global__ void fill_random(__nv_bfloat16 *x, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+        unsigned h = unsigned(i) * 2654435761u ^ seed;
+        h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
+        x[i] = __float2bfloat16((float(h & 0xffff) / 65536.f - 0.5f) * 3.4f);  // about unit variance
+    }
+}
+
+struct Buffers {
+    __nv_bfloat16 *q, *k, *v, *o, *dout, *dq, *dk, *dv;
+    float *lse, *softmax_d, *dq_accum;
+    size_t accum_bytes;
+};
+
+static float time_backward(flash::AttentionParams &params, const Buffers &buf, int reps) {
+    cudaEvent_t start, stop;
+    CHECK(cudaEventCreate(&start));
+    CHECK(cudaEventCreate(&stop));
+    auto once = [&] {  // the zeroing of dq_accum is part of every backward call
+        CHECK(cudaMemsetAsync(buf.dq_accum, 0, buf.accum_bytes));
+        launch(params, true);
+    };
+    for (int i = 0; i < 3; ++i) { once(); }
+    CHECK(cudaEventRecord(start));
+    for (int i = 0; i < reps; ++i) { once(); }
+    CHECK(cudaEventRecord(stop));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    CHECK(cudaGetLastError());
+    return ms / reps;
+}
+
+static void run_case(int head_dim, bool causal, int seqlen) {
+    const int batch = 16384 / seqlen, heads = 2048 / head_dim;
+    const size_t n = size_t(batch) * seqlen * heads * head_dim;
+    const int seqlen_rounded = (seqlen + 127) / 128 * 128;
+    Buffers buf{};
+    for (__nv_bfloat16 **p : {&buf.q, &buf.k, &buf.v, &buf.o, &buf.dout, &buf.dq, &buf.dk, &buf.dv}) {
+        CHECK(cudaMalloc(p, n * sizeof(__nv_bfloat16)));
+    }
+    CHECK(cudaMalloc(&buf.lse, size_t(batch) * heads * seqlen * sizeof(float)));
+    CHECK(cudaMalloc(&buf.softmax_d, size_t(batch) * heads * seqlen * sizeof(float)));
+    buf.accum_bytes = size_t(batch) * seqlen_rounded * heads * head_dim * sizeof(float);
+    CHECK(cudaMalloc(&buf.dq_accum, buf.accum_bytes));
+    unsigned seed = 1;
+    for (__nv_bfloat16 *p : {buf.q, buf.k, buf.v, buf.dout}) { fill_random<<<1024, 256>>>(p, n, seed++); }
+
+    flash::AttentionParams params;
+    params.q_ptr = buf.q; params.k_ptr = buf.k; params.v_ptr = buf.v; params.o_ptr = buf.o;
+    params.do_ptr = buf.dout; params.dq_ptr = buf.dq; params.dk_ptr = buf.dk; params.dv_ptr = buf.dv;
+    const int64_t row = int64_t(heads) * head_dim, batch_stride = row * seqlen;
+    for (int64_t *s : {&params.q_batch_stride, &params.k_batch_stride, &params.v_batch_stride, &params.o_batch_stride,
+                       &params.do_batch_stride, &params.dq_batch_stride, &params.dk_batch_stride, &params.dv_batch_stride}) {
+        *s = batch_stride;
+    }
+    for (int64_t *s : {&params.q_row_stride, &params.k_row_stride, &params.v_row_stride, &params.o_row_stride,
+                       &params.do_row_stride, &params.dq_row_stride, &params.dk_row_stride, &params.dv_row_stride}) {
+        *s = row;
+    }
+    for (int64_t *s : {&params.q_head_stride, &params.k_head_stride, &params.v_head_stride, &params.o_head_stride,
+                       &params.do_head_stride, &params.dq_head_stride, &params.dk_head_stride, &params.dv_head_stride}) {
+        *s = head_dim;
+    }
+    params.softmax_lse_ptr = buf.lse;
+    params.softmax_d_ptr = buf.softmax_d;
+    params.batch = batch; params.heads = heads; params.heads_k = heads; params.heads_per_head_k = 1;
+    params.seqlen_q = params.seqlen_k = seqlen;
+    params.seqlen_q_rounded = params.seqlen_k_rounded = seqlen_rounded;
+    params.head_dim = head_dim;
+    params.total_q = batch * seqlen;
+    params.softmax_scale = params.scale_softmax = 1.f / std::sqrt(float(head_dim));
+    params.scale_softmax_log2 = params.scale_softmax * 1.4426950408889634f;
+    params.is_masked = causal;
+    params.window_size_left = -1;
+    params.window_size_right = causal ? 0 : -1;
+    params.p_dropout = 1.f;  // probability of keeping
+    params.is_bf16 = true;
+    params.dq_accum_ptr = buf.dq_accum;
+    // (splits, heads, rows, head_dim), as the binding allocates it.
+    params.dq_accum_row_stride = head_dim;
+    params.dq_accum_head_stride = int64_t(batch) * seqlen_rounded * head_dim;
+    params.dq_accum_split_stride = int64_t(heads) * params.dq_accum_head_stride;
+    params.num_splits = 1;
+
+    launch(params, false);  // O and the log-sum-exp the backward reads
+    CHECK(cudaDeviceSynchronize());
+    const float ms = time_backward(params, buf, seqlen >= 4096 ? 5 : 20);
+    const double flops = 2.5 * 4.0 * batch * double(seqlen) * seqlen * heads * head_dim / (causal ? 2 : 1);
+    std::printf("| bwd | bf16 | %d | %s | %d | %d | %d | %.3f | %.1f |\n", head_dim, causal ? "True" : "False",
+                seqlen, batch, heads, ms, flops / ms / 1e9);
+    for (void *p : {(void *)buf.q, (void *)buf.k, (void *)buf.v, (void *)buf.o, (void *)buf.dout, (void *)buf.dq,
+                    (void *)buf.dk, (void *)buf.dv, (void *)buf.lse, (void *)buf.softmax_d, (void *)buf.dq_accum}) {
+        CHECK(cudaFree(p));
+    }
+}
+
+int main(int argc, char **argv) {
+    std::vector<int> head_dims;
+    if (argc == 4 && std::string(argv[1]) == "--one") {
+        run_case(std::atoi(argv[2]), false, std::atoi(argv[3]));
+        return 0;
+    }
+    for (int i = 1; i < argc; ++i) { head_dims.push_back(std::atoi(argv[i])); }
+    if (head_dims.empty()) { head_dims = {64, 128}; }
+    std::printf("| pass | dtype | d | causal | seqlen | batch | heads | ms | TFLOP/s |\n|---|---|---|---|---|---|---|---|---|\n");
+    for (int d : head_dims) {
+        for (bool causal : {false, true}) {
+            for (int seqlen : {1024, 4096, 16384}) { run_case(d, causal, seqlen); }
+        }
+    }
+    return 0;
+}
