@@ -537,4 +537,6 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
         return 64
     if head_dim <= 160:
         return 32 if is_dropout or head_dim > 128 else 64
+    if 192 < head_dim <= 224:
+        return 64  # 8 warps copying 32-element rows move 64 rows a step: no 32-key tile
     return 32 if is_dropout else 64

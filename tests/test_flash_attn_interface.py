@@ -361,6 +361,19 @@ def test_block_size_n_matches_kernel_table():
     assert _get_block_size_n(DEVICE, 128, False, True) == 64
     assert _get_block_size_n(DEVICE, 64, False, False) == 128
     assert _get_block_size_n(DEVICE, 256, True, False) == 32
+    assert _get_block_size_n(DEVICE, 224, True, False) == 64
+
+
+def test_block_size_n_mirrors_tile_sizes_h():
+    """_get_block_size_n is the Python mirror of the forward tile table in tile_sizes.h."""
+    import re
+    from pathlib import Path
+    header = (Path(__file__).resolve().parents[1] / "csrc/flash_attn/src/tile_sizes.h").read_text()
+    rows = re.findall(r"^FLASH_FWD_TILE\((\d+), (\d+), (\d+), (\d+), (\d+)\)", header, re.M)
+    assert len(rows) == 8
+    for d, _, n, _, n_dropout in rows:
+        assert _get_block_size_n("cpu", int(d), False, False) == int(n), d
+        assert _get_block_size_n("cpu", int(d), True, False) == int(n_dropout), d
 
 
 # --- bad input: checked in Python before any CUDA work, so these run on CPU too ---------------

@@ -52,6 +52,9 @@ struct CommonTraits {
     static_assert(kHeadDim % kGmemElemsPerLoad == 0);
     static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerLoad;
     static_assert(kNThreads % kGmemThreadsPerRow == 0);
+    // One global->shared copy step moves this many rows; every tile's row count must be a
+    // multiple of it, or the threads past the tile's last row copy out of bounds.
+    static constexpr int kGmemRowsPerCopy = kNThreads / kGmemThreadsPerRow;
     using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
     using GmemTiledCopyQKV = decltype(make_tiled_copy(
@@ -72,6 +75,8 @@ struct ForwardTraits : CommonTraits<kHeadDim_, kNWarps_ * 32, Element_> {
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static_assert(kBlockN % 16 == 0 && kBlockM % (16 * kNWarps) == 0);
+    static_assert(kBlockM % Base::kGmemRowsPerCopy == 0 && kBlockN % Base::kGmemRowsPerCopy == 0,
+                  "the Q and K/V tiles must be whole global->shared copy steps");
 
     // Warps split the query rows only, so a warp owns whole rows of S and the row statistics of
     // the softmax need no cross-warp reduction. The N tile of 16 lets one ldmatrix.x4 feed two
@@ -117,6 +122,8 @@ struct BackwardTraits : CommonTraits<kHeadDim_, kNWarps_ * 32, Element_> {
     static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * kWarpsNSdP) == 0);
     static_assert(kBlockN % (16 * kWarpsNdKV) == 0 && kHeadDim % (16 * kNWarps / kWarpsNdKV) == 0);
     static_assert(kBlockM % (16 * kWarpsMdQ) == 0 && kHeadDim % (16 * kNWarps / kWarpsMdQ) == 0);
+    static_assert(kBlockM % Base::kGmemRowsPerCopy == 0 && kBlockN % Base::kGmemRowsPerCopy == 0,
+                  "the Q/dO and K/V tiles must be whole global->shared copy steps");
 
     // Q, dO (double-buffered), K, V, each also seen transposed.
     using SmemLayoutQdO = typename Base::template SmemLayoutRows<kBlockM>;
