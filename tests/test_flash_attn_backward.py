@@ -20,6 +20,7 @@ from flash_attn.utils.testing import (
     generate_qkv,
     generate_random_padding_mask,
     heads_for,
+    random_window,
 )
 
 pytestmark = pytest.mark.gpu
@@ -56,10 +57,7 @@ def _run_and_check(batch, seqlen_q, seqlen_k, d, dtype, mha_type, causal, local,
     q = torch.randn(batch, seqlen_q, nheads, d, device=DEVICE, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype, requires_grad=True)
     v = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype, requires_grad=True)
-    window_size = (-1, -1)
-    if local:
-        left, right = torch.randint(0, max(seqlen_k, 1), (2,)).tolist()
-        window_size = (left, 0 if causal else right)
+    window_size = random_window(causal, local, seqlen_k)
     alibi_slopes = (torch.rand(batch, nheads, device=DEVICE) * 0.3) if alibi else None
     out, _, S_dmask = flash_attn_func(q, k, v, dropout_p, causal=causal, window_size=window_size,
                                       softcap=softcap, alibi_slopes=alibi_slopes,
@@ -134,10 +132,7 @@ def test_backward_varlen(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, 
     key_padding_mask = generate_random_padding_mask(seqlen_k, batch, DEVICE, "random", zero)
     (q_unpad, k_unpad, v_unpad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, v,
      output_pad_fn, dq_pad_fn, dk_pad_fn) = generate_qkv(q, k, v, query_padding_mask, key_padding_mask)
-    window_size = (-1, -1)
-    if local:
-        left, right = torch.randint(0, seqlen_k, (2,)).tolist()
-        window_size = (left, 0 if causal else right)
+    window_size = random_window(causal, local, seqlen_k)
     out_unpad, _, S_dmask = flash_attn_varlen_func(
         q_unpad, k_unpad, v_unpad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p, causal=causal, window_size=window_size, return_attn_probs=True)

@@ -29,18 +29,12 @@ from flash_attn.utils.testing import (
     generate_qkv,
     generate_random_padding_mask,
     heads_for,
+    random_window,
 )
 
 SLACK = 1e-5
 gpu = pytest.mark.gpu
 DEVICE = "cuda"
-
-
-def _window(causal, local, seqlen_k):
-    if not local:
-        return (-1, -1)
-    left, right = torch.randint(0, max(seqlen_k, 1), (2,)).tolist()
-    return (left, 0 if causal else right)
 
 
 def _check(out, out_ref, out_pt, what="out"):
@@ -69,7 +63,7 @@ def _run_and_check(batch, seqlen_q, seqlen_k, d, dtype, mha_type, causal, local,
     q = torch.randn(batch, seqlen_q, nheads, d, device=DEVICE, dtype=dtype)
     k = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
     v = torch.randn(batch, seqlen_k, nheads_k, d, device=DEVICE, dtype=dtype)
-    window_size = _window(causal, local, seqlen_k)
+    window_size = random_window(causal, local, seqlen_k)
     alibi_slopes = (torch.rand(batch, nheads, device=DEVICE, dtype=torch.float32) * 0.3
                     if alibi else None)
     out, lse, S_dmask = flash_attn_func(q, k, v, dropout_p, causal=causal, window_size=window_size,
@@ -172,7 +166,7 @@ def test_varlen(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, so
                                                     zero_lengths=zero)
     (q_unpad, k_unpad, v_unpad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_,
      output_pad_fn, _, _) = generate_qkv(q, k, v, query_padding_mask, key_padding_mask)
-    window_size = _window(causal, local, seqlen_k)
+    window_size = random_window(causal, local, seqlen_k)
     alibi_slopes = torch.rand(nheads, device=DEVICE) * 0.3 if alibi else None
     out_unpad, lse, S_dmask = flash_attn_varlen_func(
         q_unpad, k_unpad, v_unpad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

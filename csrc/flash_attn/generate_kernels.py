@@ -37,21 +37,15 @@ def instantiations(head_dims, dtypes):
     files = []
     for dtype in dtypes:
         for head_dim in head_dims:
-            for dropout in (False, True):
-                for masked in (False, True):
-                    name = (f"flash_fwd_hdim{head_dim}_{dtype}"
-                            f"{'_dropout' if dropout else ''}{'_masked' if masked else ''}.cu")
-                    files.append((name, FWD_TEMPLATE.format(
-                        element=DTYPES[dtype], head_dim=head_dim,
-                        dropout=str(dropout).lower(), masked=str(masked).lower())))
-            # The backward: the same (dropout, mask) flags as the forward.
-            for dropout in (False, True):
-                for masked in (False, True):
-                    name = (f"flash_bwd_hdim{head_dim}_{dtype}"
-                            f"{'_dropout' if dropout else ''}{'_masked' if masked else ''}.cu")
-                    files.append((name, BWD_TEMPLATE.format(
-                        element=DTYPES[dtype], head_dim=head_dim,
-                        dropout=str(dropout).lower(), masked=str(masked).lower())))
+            # Forward and backward take the same (dropout, mask) template flags.
+            for direction, template in (("fwd", FWD_TEMPLATE), ("bwd", BWD_TEMPLATE)):
+                for dropout in (False, True):
+                    for masked in (False, True):
+                        name = (f"flash_{direction}_hdim{head_dim}_{dtype}"
+                                f"{'_dropout' if dropout else ''}{'_masked' if masked else ''}.cu")
+                        files.append((name, template.format(
+                            element=DTYPES[dtype], head_dim=head_dim,
+                            dropout=str(dropout).lower(), masked=str(masked).lower())))
     header = HEADER_TEMPLATE.format(
         head_dims=" ".join(f"X({d})" for d in sorted(head_dims)),
         fp16=int("fp16" in dtypes), bf16=int("bf16" in dtypes))

@@ -253,6 +253,15 @@ def check_error_rule(name, ours, ref, ref_lowp, slack=1e-5):
         f"{name}: max error {err} vs reference-in-dtype error {err_lowp}")
 
 
+def random_window(causal, local, seqlen_k):
+    """window_size of a test case: (-1, -1) unless local, else random sides below seqlen_k (the
+    right side 0 when causal)."""
+    if not local:
+        return (-1, -1)
+    left, right = torch.randint(0, max(seqlen_k, 1), (2,)).tolist()
+    return (left, 0 if causal else right)
+
+
 def heads_for(mha_type, nheads=6):
     """(query heads, key/value heads) of a test case: "mha", "gqa" (2 kv heads) or "mqa"."""
     return nheads, {"mha": nheads, "gqa": 2, "mqa": 1}[mha_type]

@@ -453,12 +453,9 @@ def test_linear_bias_wgrad(dtype, has_d_bias, batch, in_features, out_features):
         assert d_bias is None
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("is_gelu", [True, False])
-@pytest.mark.parametrize("heuristic", [0, 1, 2, 3, 4])
-@pytest.mark.parametrize("batch,hidden,out_features", SHAPES)
-def test_bias_act_linear_dgrad_bgrad(dtype, is_gelu, heuristic, batch, hidden, out_features):
+def _dgrad_case(dtype, is_gelu, batch, hidden, out_features):
+    """(ext, aux, w2, g, reference) of a backward-through-the-activation case: aux is the
+    pre-activation linear_act_forward saved; reference(g, w2) = act'(aux) * (g @ w2) in g's dtype."""
     ext = load_ext()
     torch.manual_seed(0)
     x = torch.randn(batch, 64, device="cuda", dtype=dtype)
@@ -466,12 +463,23 @@ def test_bias_act_linear_dgrad_bgrad(dtype, is_gelu, heuristic, batch, hidden, o
     output1, aux = ext.linear_act_forward(x, w1, None, is_gelu, True, 0)
     w2 = torch.randn(out_features, hidden, device="cuda", dtype=dtype) / math.sqrt(hidden)
     g = torch.randn(batch, out_features, device="cuda", dtype=dtype)
-    d_input, d_bias = ext.bias_act_linear_dgrad_bgrad(w2, g, aux, is_gelu, heuristic)
-    assert d_input.shape == (batch, hidden) and d_input.dtype == dtype and d_bias.shape == (hidden,)
 
     def reference(g, w2):
         d_act = g @ w2
         return gelu_bwd(d_act, aux.to(d_act.dtype)) if is_gelu else d_act * (output1 > 0)
+
+    return ext, aux, w2, g, reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_gelu", [True, False])
+@pytest.mark.parametrize("heuristic", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("batch,hidden,out_features", SHAPES)
+def test_bias_act_linear_dgrad_bgrad(dtype, is_gelu, heuristic, batch, hidden, out_features):
+    ext, aux, w2, g, reference = _dgrad_case(dtype, is_gelu, batch, hidden, out_features)
+    d_input, d_bias = ext.bias_act_linear_dgrad_bgrad(w2, g, aux, is_gelu, heuristic)
+    assert d_input.shape == (batch, hidden) and d_input.dtype == dtype and d_bias.shape == (hidden,)
 
     ref32, ref_lowp = reference(g.float(), w2.float()), reference(g, w2)
     assert_within_reference("d_input", d_input, ref_lowp, ref32)
@@ -485,19 +493,9 @@ def test_bias_act_linear_dgrad_bgrad(dtype, is_gelu, heuristic, batch, hidden, o
 @pytest.mark.parametrize("heuristic", [0, 1, 4])
 @pytest.mark.parametrize("batch,hidden,out_features", SHAPES)
 def test_act_linear_dgrad(dtype, is_gelu, heuristic, batch, hidden, out_features):
-    ext = load_ext()
-    torch.manual_seed(0)
-    x = torch.randn(batch, 64, device="cuda", dtype=dtype)
-    w1 = torch.randn(hidden, 64, device="cuda", dtype=dtype) / 8
-    output1, aux = ext.linear_act_forward(x, w1, None, is_gelu, True, 0)
-    w2 = torch.randn(out_features, hidden, device="cuda", dtype=dtype) / math.sqrt(hidden)
-    g = torch.randn(batch, out_features, device="cuda", dtype=dtype)
+    ext, aux, w2, g, reference = _dgrad_case(dtype, is_gelu, batch, hidden, out_features)
     d_input = ext.act_linear_dgrad(w2, g, aux, is_gelu, heuristic)
     assert d_input.shape == (batch, hidden) and d_input.dtype == dtype
-
-    def reference(g, w2):
-        d_act = g @ w2
-        return gelu_bwd(d_act, aux.to(d_act.dtype)) if is_gelu else d_act * (output1 > 0)
 
     assert_within_reference("d_input", d_input, reference(g, w2), reference(g.float(), w2.float()))
     assert 1 <= ext.act_linear_dgrad_num_algos(w2, g, aux, is_gelu) <= ext.max_heuristic_algos
