@@ -126,7 +126,7 @@ struct DgradCall {
 };
 
 DgradCall prepare_dgrad(const char* op, const at::Tensor& weight, const at::Tensor& d_output,
-                        const at::Tensor& pre_act, bool is_gelu, bool with_bias_grad = true) {
+                        const at::Tensor& pre_act, bool is_gelu, bool with_bias_grad) {
   check_arg(op, weight, "weight", kHalfTypes, weight.device(), {kAny, kAny});
   const int64_t out_features = weight.size(0), in_features = weight.size(1);
   check_arg(op, d_output, "d_output", {weight.scalar_type()}, weight.device(), {kAny, out_features});
@@ -205,48 +205,47 @@ std::vector<at::Tensor> linear_bias_wgrad(const at::Tensor& input, const at::Ten
   return {d_weight, d_bias};
 }
 
-std::vector<at::Tensor> bias_act_linear_dgrad_bgrad(const at::Tensor& weight, const at::Tensor& d_output,
-                                                    const at::Tensor& pre_act, bool is_gelu, int64_t heuristic) {
-  const char* op = "bias_act_linear_dgrad_bgrad";
+// The backward through the activation, with (bias_act_linear_dgrad_bgrad) or without
+// (act_linear_dgrad) the bias gradient in the same epilogue: one implementation of each entry.
+DgradCall run_dgrad(const char* op, const at::Tensor& weight, const at::Tensor& d_output, const at::Tensor& pre_act,
+                    bool is_gelu, int64_t heuristic, bool with_bias_grad) {
   check_heuristic(op, heuristic);
-  DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu);
+  DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu, with_bias_grad);
   const c10::cuda::CUDAGuard device_guard(weight.device());
   check_status(op, fused_dense::bias_act_linear_dgrad_bgrad(make_context(weight, true), call.params,
                                                             static_cast<int>(heuristic)));
+  return call;
+}
+
+int64_t dgrad_num_algos(const char* op, const at::Tensor& weight, const at::Tensor& d_output,
+                        const at::Tensor& pre_act, bool is_gelu, bool with_bias_grad) {
+  DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu, with_bias_grad);
+  const c10::cuda::CUDAGuard device_guard(weight.device());
+  int count = 0;
+  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad_num_algos(make_context(weight, false), call.params,
+                                                                      &count));
+  return count;
+}
+
+std::vector<at::Tensor> bias_act_linear_dgrad_bgrad(const at::Tensor& weight, const at::Tensor& d_output,
+                                                    const at::Tensor& pre_act, bool is_gelu, int64_t heuristic) {
+  DgradCall call = run_dgrad("bias_act_linear_dgrad_bgrad", weight, d_output, pre_act, is_gelu, heuristic, true);
   return {call.d_input, call.d_bias};
 }
 
 int64_t bias_act_linear_dgrad_bgrad_num_algos(const at::Tensor& weight, const at::Tensor& d_output,
                                               const at::Tensor& pre_act, bool is_gelu) {
-  const char* op = "bias_act_linear_dgrad_bgrad_num_algos";
-  DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu);
-  const c10::cuda::CUDAGuard device_guard(weight.device());
-  int count = 0;
-  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad_num_algos(make_context(weight, false), call.params,
-                                                                      &count));
-  return count;
+  return dgrad_num_algos("bias_act_linear_dgrad_bgrad_num_algos", weight, d_output, pre_act, is_gelu, true);
 }
 
 at::Tensor act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output, const at::Tensor& pre_act,
                             bool is_gelu, int64_t heuristic) {
-  const char* op = "act_linear_dgrad";
-  check_heuristic(op, heuristic);
-  DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu, /*with_bias_grad=*/false);
-  const c10::cuda::CUDAGuard device_guard(weight.device());
-  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad(make_context(weight, true), call.params,
-                                                            static_cast<int>(heuristic)));
-  return call.d_input;
+  return run_dgrad("act_linear_dgrad", weight, d_output, pre_act, is_gelu, heuristic, false).d_input;
 }
 
 int64_t act_linear_dgrad_num_algos(const at::Tensor& weight, const at::Tensor& d_output, const at::Tensor& pre_act,
                                    bool is_gelu) {
-  const char* op = "act_linear_dgrad_num_algos";
-  DgradCall call = prepare_dgrad(op, weight, d_output, pre_act, is_gelu, /*with_bias_grad=*/false);
-  const c10::cuda::CUDAGuard device_guard(weight.device());
-  int count = 0;
-  check_status(op, fused_dense::bias_act_linear_dgrad_bgrad_num_algos(make_context(weight, false), call.params,
-                                                                      &count));
-  return count;
+  return dgrad_num_algos("act_linear_dgrad_num_algos", weight, d_output, pre_act, is_gelu, false);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
