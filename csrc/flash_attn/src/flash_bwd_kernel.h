@@ -229,22 +229,14 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     Element *smem_v = smem_k + size(typename Traits::SmemLayoutKV{});
     Element *smem_p = smem_v + size(typename Traits::SmemLayoutKV{});
     Element *smem_ds = smem_p + size(typename Traits::SmemLayoutPdS{});
-    auto sQ = [&](int buf) {
-        return make_tensor(make_smem_ptr(smem_q + buf * size(typename Traits::SmemLayoutQdO{})),
-                           typename Traits::SmemLayoutQdO{});
+    // Buffer `buf` of the double-buffered Q or dO, in the given layout (rows x d, or transposed).
+    auto buffer = [&](Element *base, int buf, auto layout) {
+        return make_tensor(make_smem_ptr(base + buf * size(typename Traits::SmemLayoutQdO{})), layout);
     };
-    auto sdO = [&](int buf) {
-        return make_tensor(make_smem_ptr(smem_do + buf * size(typename Traits::SmemLayoutQdO{})),
-                           typename Traits::SmemLayoutQdO{});
-    };
-    auto sQt = [&](int buf) {
-        return make_tensor(make_smem_ptr(smem_q + buf * size(typename Traits::SmemLayoutQdO{})),
-                           typename Traits::SmemLayoutQdOt{});
-    };
-    auto sdOt = [&](int buf) {
-        return make_tensor(make_smem_ptr(smem_do + buf * size(typename Traits::SmemLayoutQdO{})),
-                           typename Traits::SmemLayoutQdOt{});
-    };
+    auto sQ = [&](int buf) { return buffer(smem_q, buf, typename Traits::SmemLayoutQdO{}); };
+    auto sdO = [&](int buf) { return buffer(smem_do, buf, typename Traits::SmemLayoutQdO{}); };
+    auto sQt = [&](int buf) { return buffer(smem_q, buf, typename Traits::SmemLayoutQdOt{}); };
+    auto sdOt = [&](int buf) { return buffer(smem_do, buf, typename Traits::SmemLayoutQdOt{}); };
     Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKV{});
     Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKt{});
     Tensor sV = make_tensor(make_smem_ptr(smem_v), typename Traits::SmemLayoutKV{});

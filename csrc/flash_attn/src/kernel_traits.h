@@ -8,14 +8,16 @@ namespace flash {
 
 using namespace cute;
 
-// What every attention kernel of a head dim, thread count and dtype shares: the MMA atom, the
-// swizzled shared-memory rows, the shared->register and global->shared copies.
-template <int kHeadDim_, int kNThreads_, typename Element_>
+// What every attention kernel of a head dim, tile, thread count and dtype shares: the MMA atom,
+// the swizzled shared-memory rows, the shared->register and global->shared copies.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNThreads_, typename Element_>
 struct CommonTraits {
     using Element = Element_;
     using ElementAccum = float;
     using index_t = int64_t;
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;  // query rows of a tile
+    static constexpr int kBlockN = kBlockN_;  // key rows of a tile
     static constexpr int kNThreads = kNThreads_;
     static constexpr int kNWarps = kNThreads / 32;
     static_assert(kHeadDim % 32 == 0);
@@ -55,6 +57,8 @@ struct CommonTraits {
     // One global->shared copy step moves this many rows; every tile's row count must be a
     // multiple of it, or the threads past the tile's last row copy out of bounds.
     static constexpr int kGmemRowsPerCopy = kNThreads / kGmemThreadsPerRow;
+    static_assert(kBlockM % kGmemRowsPerCopy == 0 && kBlockN % kGmemRowsPerCopy == 0,
+                  "the query and key tiles must be whole global->shared copy steps");
     using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
                                   Stride<Int<kGmemThreadsPerRow>, _1>>;
     using GmemTiledCopyQKV = decltype(make_tiled_copy(
@@ -66,17 +70,15 @@ struct CommonTraits {
 };
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_>
-struct ForwardTraits : CommonTraits<kHeadDim_, kNWarps_ * 32, Element_> {
-    using Base = CommonTraits<kHeadDim_, kNWarps_ * 32, Element_>;
+struct ForwardTraits : CommonTraits<kHeadDim_, kBlockM_, kBlockN_, kNWarps_ * 32, Element_> {
+    using Base = CommonTraits<kHeadDim_, kBlockM_, kBlockN_, kNWarps_ * 32, Element_>;
     using typename Base::Element;
     using typename Base::MmaAtom;
     using Base::kHeadDim;
     using Base::kNWarps;
-    static constexpr int kBlockM = kBlockM_;
-    static constexpr int kBlockN = kBlockN_;
+    using Base::kBlockM;
+    using Base::kBlockN;
     static_assert(kBlockN % 16 == 0 && kBlockM % (16 * kNWarps) == 0);
-    static_assert(kBlockM % Base::kGmemRowsPerCopy == 0 && kBlockN % Base::kGmemRowsPerCopy == 0,
-                  "the Q and K/V tiles must be whole global->shared copy steps");
 
     // Warps split the query rows only, so a warp owns whole rows of S and the row statistics of
     // the softmax need no cross-warp reduction. The N tile of 16 lets one ldmatrix.x4 feed two
@@ -100,14 +102,14 @@ struct ForwardTraits : CommonTraits<kHeadDim_, kNWarps_ * 32, Element_> {
 // how many warps split the rows of each, the rest split the columns.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMSdP, int kWarpsNdKV,
           int kWarpsMdQ, typename Element_>
-struct BackwardTraits : CommonTraits<kHeadDim_, kNWarps_ * 32, Element_> {
-    using Base = CommonTraits<kHeadDim_, kNWarps_ * 32, Element_>;
+struct BackwardTraits : CommonTraits<kHeadDim_, kBlockM_, kBlockN_, kNWarps_ * 32, Element_> {
+    using Base = CommonTraits<kHeadDim_, kBlockM_, kBlockN_, kNWarps_ * 32, Element_>;
     using typename Base::Element;
     using typename Base::MmaAtom;
     using Base::kHeadDim;
     using Base::kNWarps;
-    static constexpr int kBlockM = kBlockM_;
-    static constexpr int kBlockN = kBlockN_;
+    using Base::kBlockM;
+    using Base::kBlockN;
 
     // S and dP: each warp owns 16 contiguous columns per tile (two adjacent n8 atoms), so a lane
     // holds whole 16x16 dropout cells, exactly as in the forward kernel (see dropout.h).
@@ -122,8 +124,6 @@ struct BackwardTraits : CommonTraits<kHeadDim_, kNWarps_ * 32, Element_> {
     static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * kWarpsNSdP) == 0);
     static_assert(kBlockN % (16 * kWarpsNdKV) == 0 && kHeadDim % (16 * kNWarps / kWarpsNdKV) == 0);
     static_assert(kBlockM % (16 * kWarpsMdQ) == 0 && kHeadDim % (16 * kNWarps / kWarpsMdQ) == 0);
-    static_assert(kBlockM % Base::kGmemRowsPerCopy == 0 && kBlockN % Base::kGmemRowsPerCopy == 0,
-                  "the Q/dO and K/V tiles must be whole global->shared copy steps");
 
     // Q, dO (double-buffered), K, V, each also seen transposed.
     using SmemLayoutQdO = typename Base::template SmemLayoutRows<kBlockM>;
