@@ -24,7 +24,9 @@ print(' '.join(b.NVCC_FLAGS + b.gencode_flags(['90'])))") -I$SRC -I$CUTLASS -Xpt
 export FLAGS OBJ CACHE SRC
 compile_one() {
   name=$(basename "$1" .cu)
-  key=$( { nvcc $FLAGS -E "$1" 2>/dev/null; echo "$FLAGS"; } | sha1sum | cut -c1-16)
+  # The key leaves out line markers and the source directory, so a unit whose text is the same
+  # in two variant trees is compiled once.
+  key=$( { nvcc $FLAGS -E "$1" 2>/dev/null | grep -v '^#'; echo "${FLAGS//$SRC/}"; } | sha1sum | cut -c1-16)
   if [ ! -f "$CACHE/$key.o" ]; then
     nvcc $FLAGS -c "$1" -o "$CACHE/$key.tmp.o" >"$CACHE/$key.log" 2>&1 || { cat "$CACHE/$key.log"; return 255; }
     mv "$CACHE/$key.tmp.o" "$CACHE/$key.o"

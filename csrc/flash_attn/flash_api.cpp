@@ -328,7 +328,9 @@ void set_backward_params(flash::AttentionParams &params, const at::Tensor &q, co
                                                                           std::max(1, params.batch * params.heads)))
                                       : 1;
     // (splits, heads, rows, kernel head dim): a query block's rows are contiguous (see flash.h).
-    buf.dq_accum = at::zeros({params.num_splits, params.heads, accum_rows, kernel_head_dim},
+    // The rowsum(dO * O) kernel zeroes the rows of real tokens; the padding rows only ever receive
+    // added zeros and are never read.
+    buf.dq_accum = at::empty({params.num_splits, params.heads, accum_rows, kernel_head_dim},
                              q.options().dtype(at::kFloat));
     params.dq_accum_ptr = buf.dq_accum.data_ptr<float>();
     params.dq_accum_split_stride = buf.dq_accum.stride(0);

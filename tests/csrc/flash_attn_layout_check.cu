@@ -2,8 +2,8 @@
 // - every score element's (row, col) from the tiled MMAs (the mask's and dropout's coordinates);
 // - each lane of the forward and backward S tiles holds whole 16x16 dropout cells in the m16n8
 //   layout (rows r, r + 8; columns 2c, 2c + 1, +8), so both kernels draw the same dropout mask;
-// - the dq_accum column permutation is a bijection of each row, and spreads the eight rows of an
-//   MMA fragment over distinct 8-float chunks (conflict-free staging of dQ);
+// - in the dQ and dK/dV accumulators, elements (i, i + 1) for even i are adjacent columns of one
+//   row starting at an even column (dQ is added to dq_accum and dK/dV stored in such pairs);
 // - Philox4x32-10 against the Random123 known-answer vectors.
 // Prints "OK" and exits 0, or prints the first mismatch and exits 1.
 #include <cstdio>
@@ -75,23 +75,17 @@ void check_score_tile(const char *name, int threads, bool warps_along_m) {
     EXPECT(int(seen.size()) == kM * kN, "%s: %d of %d elements held", name, int(seen.size()), kM * kN);
 }
 
-template <int kHeadDim>
-void check_dq_accum_layout() {
-    const int chunks = kHeadDim / 8;
-    for (int64_t row = 0; row < 16; ++row) {
-        std::set<int> cols;
-        for (int col = 0; col < kHeadDim; ++col) {
-            const int permuted = flash::dq_accum_col(row, col, kHeadDim);
-            EXPECT(permuted >= 0 && permuted < kHeadDim && permuted % 8 == col % 8,
-                   "dq_accum_col(%d, %d, %d) = %d", int(row), col, kHeadDim, permuted);
-            cols.insert(permuted);
+template <typename TiledMma, int kM, int kN>
+void check_column_pairs(const char *name, int threads) {
+    using namespace cute;
+    for (int tid = 0; tid < threads; ++tid) {
+        Tensor coords = TiledMma{}.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
+        for (int i = 0; i < int(size(coords)); i += 2) {
+            const int row = get<0>(coords(i)), col = get<1>(coords(i));
+            EXPECT(col % 2 == 0 && get<0>(coords(i + 1)) == row && get<1>(coords(i + 1)) == col + 1,
+                   "%s: tid %d elements %d, %d at (%d, %d), (%d, %d)", name, tid, i, i + 1, row, col,
+                   int(get<0>(coords(i + 1))), int(get<1>(coords(i + 1))));
         }
-        EXPECT(int(cols.size()) == kHeadDim, "dq_accum_col is not a bijection of row %d (hdim%d)", int(row), kHeadDim);
-    }
-    for (int col = 0; chunks >= 8 && col < kHeadDim; col += 8) {
-        std::set<int> physical;
-        for (int row = 0; row < 8; ++row) { physical.insert(flash::dq_accum_col(row, col, kHeadDim) / 8); }
-        EXPECT(physical.size() == 8, "hdim%d: rows 0-7 of chunk %d share a staging chunk", kHeadDim, col / 8);
     }
 }
 
@@ -115,9 +109,10 @@ void check_head_dim() {
     std::snprintf(name, sizeof(name), "backward hdim%d", kHeadDim);
     check_score_tile<typename Bwd::TiledMmaSdP, Bwd::kBlockM, Bwd::kBlockN>(name, Bwd::kNThreads, false);
     EXPECT(Bwd::kSmemSize <= 227 * 1024, "backward hdim%d needs %d bytes of shared memory", kHeadDim, Bwd::kSmemSize);
-    EXPECT(!Bwd::kdQStagingFits || Bwd::kSmemSize + Bwd::kSmemdQSize <= 227 * 1024,
-           "backward hdim%d stages dQ in %d bytes too many", kHeadDim, Bwd::kSmemSize + Bwd::kSmemdQSize);
-    check_dq_accum_layout<kHeadDim>();
+    std::snprintf(name, sizeof(name), "backward dQ hdim%d", kHeadDim);
+    check_column_pairs<typename Bwd::TiledMmadQ, Bwd::kBlockM, kHeadDim>(name, Bwd::kNThreads);
+    std::snprintf(name, sizeof(name), "backward dK/dV hdim%d", kHeadDim);
+    check_column_pairs<typename Bwd::TiledMmadKV, Bwd::kBlockN, kHeadDim>(name, Bwd::kNThreads);
     EXPECT(Fwd::kSmemSize <= 227 * 1024, "forward hdim%d needs %d bytes of shared memory", kHeadDim, Fwd::kSmemSize);
 }
 

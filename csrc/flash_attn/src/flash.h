@@ -84,8 +84,7 @@ struct AttentionParams {
     // one gradient per query head (the binding sums a GQA group). dq accumulates in fp32 in
     // dq_accum (num_splits, heads, rows, kernel head dim) with rows = batch * seqlen_q_rounded, or
     // total_q + 128 for varlen, so that a query block is one contiguous range (the row stride is the
-    // kernel head dim; flash_bwd_kernel.h's dq_accum_col permutes the columns of each row);
-    // softmax_d = rowsum(dO * O) is laid out like softmax_lse.
+    // kernel head dim); softmax_d = rowsum(dO * O) is laid out like softmax_lse.
     void *__restrict__ do_ptr = nullptr;
     index_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
     void *__restrict__ dq_ptr = nullptr;

@@ -1,5 +1,5 @@
 // The attention backward (sm80-class mma.sync path), in three kernels:
-//   1. softmax_d = rowsum(dO * O) per query row (flash_bwd_dot_do_o_kernel);
+//   1. softmax_d = rowsum(dO * O) per query row, dq_accum zeroed (flash_bwd_dot_do_o_kernel);
 //   2. per key block: recompute P from Q, K and the forward's log-sum-exp, then
 //      dV += P^T dO, dP = dO V^T, dS = P (dP - softmax_d), dK += dS^T Q, dQ += dS K (dQ added in
 //      fp32 to dq_accum) (flash_bwd_kernel);
@@ -22,74 +22,125 @@ namespace flash {
 
 using namespace cute;
 
+// dq_accum is (num_splits, heads, rows, kernel head dim) fp32 with rows = batch * seqlen_q_rounded
+// (padded inputs) or total_q + 128 (varlen), so that a query block's rows are one contiguous range.
+
+// Where one (token, head) of a query-side tensor and its dq_accum row are: the pre- and
+// post-processing kernels walk tokens of the packed (varlen) or padded layout alike.
+struct TokenRow {
+    int64_t acc_row;  // row of dq_accum
+    int64_t lse_idx;  // index into softmax_lse / softmax_d
+    int64_t b, row;   // batch entry and row in it (padded layout), or 0 and the token (varlen)
+
+    __device__ TokenRow(const AttentionParams &params, int token, int head) {
+        if (params.cu_seqlens_q != nullptr) {  // varlen: token is the row in the packed q
+            b = 0, row = token, acc_row = token;
+            lse_idx = int64_t(head) * params.total_q + token;
+        } else {
+            b = token / params.seqlen_q, row = token % params.seqlen_q;
+            acc_row = b * params.seqlen_q_rounded + row;
+            lse_idx = (b * params.heads + head) * params.seqlen_q + row;
+        }
+    }
+    __device__ int64_t offset(int64_t batch_stride, int64_t row_stride, int64_t head_stride, int head) const {
+        return b * batch_stride + row * row_stride + int64_t(head) * head_stride;
+    }
+};
+
+// A 16-byte chunk of 8 elements, or fewer bytes where the address is not 16-byte aligned (any
+// strides are accepted).
+template <typename Element>
+__device__ __forceinline__ void load_chunk(const Element *src, float (&dst)[8]) {
+    if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+        const uint4 raw = *reinterpret_cast<const uint4 *>(src);
+        const Element *e = reinterpret_cast<const Element *>(&raw);
+        CUTE_UNROLL
+        for (int i = 0; i < 8; ++i) { dst[i] = float(e[i]); }
+    } else {
+        CUTE_UNROLL
+        for (int i = 0; i < 8; ++i) { dst[i] = float(src[i]); }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
-// 1. softmax_d = rowsum(dO * O): one warp per (token, head).
+// 1. softmax_d = rowsum(dO * O), and the token's dq_accum rows (every split) zeroed, so that no
+//    separate pass clears dq_accum: eight lanes per (token, head), 16-byte loads.
 // ---------------------------------------------------------------------------------------------
+
+constexpr int kDotLanesPerRow = 8;
 
 template <typename Element>
 __global__ void flash_bwd_dot_do_o_kernel(const __grid_constant__ AttentionParams params, int num_tokens) {
-    const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    if (warp >= int64_t(num_tokens) * params.heads) { return; }
-    const int token = int(warp / params.heads), head = int(warp % params.heads);
-    int64_t o_off, do_off, d_idx;
-    if (params.cu_seqlens_q != nullptr) {  // varlen: token is the row in the packed q
-        o_off = int64_t(token) * params.o_row_stride + int64_t(head) * params.o_head_stride;
-        do_off = int64_t(token) * params.do_row_stride + int64_t(head) * params.do_head_stride;
-        d_idx = int64_t(head) * params.total_q + token;
-    } else {
-        const int b = token / params.seqlen_q, row = token % params.seqlen_q;
-        o_off = b * params.o_batch_stride + int64_t(row) * params.o_row_stride + int64_t(head) * params.o_head_stride;
-        do_off = b * params.do_batch_stride + int64_t(row) * params.do_row_stride + int64_t(head) * params.do_head_stride;
-        d_idx = (int64_t(b) * params.heads + head) * params.seqlen_q + row;
-    }
-    const Element *o = reinterpret_cast<const Element *>(params.o_ptr) + o_off;
-    const Element *dout = reinterpret_cast<const Element *>(params.do_ptr) + do_off;
+    const int64_t id = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kDotLanesPerRow;
+    const int lane = threadIdx.x % kDotLanesPerRow;
+    // No early return: the whole warp takes part in the shuffles below.
+    const bool valid = id < int64_t(num_tokens) * params.heads;
+    const int token = valid ? int(id / params.heads) : 0, head = valid ? int(id % params.heads) : 0;
+    const TokenRow tr(params, token, head);
     float sum = 0.f;
-    for (int i = lane; i < params.head_dim; i += 32) { sum += float(o[i]) * float(dout[i]); }
+    if (valid) {
+        const Element *o = reinterpret_cast<const Element *>(params.o_ptr) +
+                           tr.offset(params.o_batch_stride, params.o_row_stride, params.o_head_stride, head);
+        const Element *dout = reinterpret_cast<const Element *>(params.do_ptr) +
+                              tr.offset(params.do_batch_stride, params.do_row_stride, params.do_head_stride, head);
+        for (int c = lane * 8; c < params.head_dim; c += kDotLanesPerRow * 8) {
+            float o_chunk[8], do_chunk[8];
+            load_chunk(o + c, o_chunk);
+            load_chunk(dout + c, do_chunk);
+            CUTE_UNROLL
+            for (int i = 0; i < 8; ++i) { sum += o_chunk[i] * do_chunk[i]; }
+        }
+        const int kernel_head_dim = int(params.dq_accum_row_stride);
+        float4 *acc = reinterpret_cast<float4 *>(params.dq_accum_ptr + int64_t(head) * params.dq_accum_head_stride +
+                                                 tr.acc_row * kernel_head_dim);
+        for (int split = 0; split < params.num_splits; ++split) {
+            for (int c = lane; c < kernel_head_dim / 4; c += kDotLanesPerRow) {
+                acc[split * params.dq_accum_split_stride / 4 + c] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+    }
     CUTE_UNROLL
-    for (int offset = 16; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
-    if (lane == 0) { params.softmax_d_ptr[d_idx] = sum; }
+    for (int offset = kDotLanesPerRow / 2; offset > 0; offset /= 2) {
+        sum += __shfl_xor_sync(0xffffffff, sum, offset);
+    }
+    if (valid && lane == 0) { params.softmax_d_ptr[tr.lse_idx] = sum; }
 }
 
 // ---------------------------------------------------------------------------------------------
-// 3. dq = softmax_scale * sum over splits of dq_accum, converted and written with dq's strides.
+// 3. dq = softmax_scale * sum over splits of dq_accum, converted and written with dq's strides:
+//    one thread per 8 columns.
 // ---------------------------------------------------------------------------------------------
-
-// dq_accum is (num_splits, heads, rows, kernel head dim) fp32 with rows = batch * seqlen_q_rounded
-// (padded inputs) or total_q + 128 (varlen), so that a query block's rows are one contiguous range.
-// Within a row, the 8-float chunks are rotated by the row index mod 8: the eight rows of an MMA
-// fragment then fall in distinct banks when a dQ tile is staged in shared memory (see DqAccumWriter).
-__host__ __device__ __forceinline__ int dq_accum_col(int64_t row, int col, int kernel_head_dim) {
-    const int chunks = kernel_head_dim / 8;
-    return ((col / 8 + int(row & 7)) % chunks) * 8 + col % 8;
-}
 
 template <typename Element>
 __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ AttentionParams params, int num_tokens) {
     const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int64_t per_token = int64_t(params.heads) * params.head_dim;
+    const int chunks = params.head_dim / 8;
+    const int64_t per_token = int64_t(params.heads) * chunks;
     if (idx >= int64_t(num_tokens) * per_token) { return; }
     const int token = int(idx / per_token);
-    const int head = int(idx % per_token) / params.head_dim, col = int(idx % params.head_dim);
-    int64_t acc_row, dq_off;
-    if (params.cu_seqlens_q != nullptr) {
-        acc_row = token;
-        dq_off = int64_t(token) * params.dq_row_stride;
-    } else {
-        const int b = token / params.seqlen_q, row = token % params.seqlen_q;
-        acc_row = int64_t(b) * params.seqlen_q_rounded + row;
-        dq_off = b * params.dq_batch_stride + int64_t(row) * params.dq_row_stride;
-    }
+    const int head = int(idx % per_token) / chunks, col = int(idx % chunks) * 8;
+    const TokenRow tr(params, token, head);
     const int kernel_head_dim = int(params.dq_accum_row_stride);
-    const int64_t acc_off = int64_t(head) * params.dq_accum_head_stride + acc_row * kernel_head_dim +
-                            dq_accum_col(acc_row, col, kernel_head_dim);
-    float sum = 0.f;
+    const float *acc = params.dq_accum_ptr + int64_t(head) * params.dq_accum_head_stride +
+                       tr.acc_row * kernel_head_dim + col;
+    float sum[8] = {};
     for (int split = 0; split < params.num_splits; ++split) {  // fixed order: deterministic
-        sum += params.dq_accum_ptr[split * params.dq_accum_split_stride + acc_off];
+        const float4 *chunk = reinterpret_cast<const float4 *>(acc + split * params.dq_accum_split_stride);
+        const float4 lo = chunk[0], hi = chunk[1];
+        sum[0] += lo.x, sum[1] += lo.y, sum[2] += lo.z, sum[3] += lo.w;
+        sum[4] += hi.x, sum[5] += hi.y, sum[6] += hi.z, sum[7] += hi.w;
     }
-    reinterpret_cast<Element *>(params.dq_ptr)[dq_off + int64_t(head) * params.dq_head_stride + col] =
-        Element(sum * params.softmax_scale);
+    Element *dq = reinterpret_cast<Element *>(params.dq_ptr) +
+                  tr.offset(params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride, head) + col;
+    Element out[8];
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) { out[i] = Element(sum[i] * params.softmax_scale); }
+    if ((reinterpret_cast<uintptr_t>(dq) & 15) == 0) {
+        *reinterpret_cast<uint4 *>(dq) = *reinterpret_cast<const uint4 *>(out);
+    } else {
+        CUTE_UNROLL
+        for (int i = 0; i < 8; ++i) { dq[i] = out[i]; }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -97,78 +148,77 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ AttentionPar
 // ---------------------------------------------------------------------------------------------
 
 // Writes a dK or dV accumulator tile (tiled_mma_dkv layout), scaled, to the rows of the key
-// block that exist.
+// block that exist, straight from registers: adjacent column pairs as one 4-byte store where the
+// tensor's alignment allows (any strides are accepted).
 template <typename Traits, typename Acc, typename TiledMma>
 __device__ __forceinline__ void store_dkv(Acc const &acc, TiledMma const &tiled_mma, void *ptr, int64_t offset,
                                           int64_t row_stride, int rows_valid, int head_dim, float scale) {
     using Element = typename Traits::Element;
     constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     auto thr_mma = tiled_mma.get_thread_slice(threadIdx.x);
-    Tensor g = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(ptr) + offset),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(row_stride, _1{}));
+    Element *base = reinterpret_cast<Element *>(ptr) + offset;
+    Tensor g = make_tensor(make_gmem_ptr(base), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(row_stride, _1{}));
     Tensor tg = thr_mma.partition_C(g);
     Tensor tc = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    const bool pairs_aligned = (reinterpret_cast<uintptr_t>(base) % 4 == 0) && row_stride % 2 == 0;
     CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) {
-        if (get<0>(tc(i)) < rows_valid && get<1>(tc(i)) < head_dim) { tg(i) = Element(acc(i) * scale); }
+    for (int i = 0; i < size(acc); i += 2) {  // (i, i + 1): adjacent columns of one row (head_dim is even)
+        if (get<0>(tc(i)) < rows_valid && get<1>(tc(i)) < head_dim) {
+            const Element lo = Element(acc(i) * scale), hi = Element(acc(i + 1) * scale);
+            if (pairs_aligned) {
+                cutlass::AlignedArray<Element, 2> pair;  // 4-byte aligned: one store
+                pair[0] = lo, pair[1] = hi;
+                *reinterpret_cast<cutlass::AlignedArray<Element, 2> *>(&tg(i)) = pair;
+            } else {
+                tg(i) = lo, tg(i + 1) = hi;
+            }
+        }
     }
 }
 
-// Adds each query block's dQ (an accumulator of tiled_mma_dq) into dq_accum. On sm90, when the
-// tile fits (Traits::kdQStagingFits), all threads stage it in shared memory (stage) and one thread
-// hands it to the TMA unit as a single bulk reduce-add at the start of the next iteration (flush),
-// so the load/store unit issues no atomics; otherwise every thread adds its elements atomically.
-template <typename Traits>
-struct DqAccumWriter {
-    static constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-    static constexpr bool kStaged = Traits::kdQStagingFits && FLASH_ARCH_SM90;
-    float *dq_accum;  // row 0 of this (split, head, sequence)
-    float *smem_dq;
-    int row0;         // dq_accum row index of row 0, mod 8 (it keys the chunk rotation)
-    int pending = -1; // query block staged but not yet handed to the TMA unit
+// The same through shared memory (smem: a free kBlockN x head_dim tile in SmemLayoutKV), so that
+// whole rows leave in 16-byte stores: full sectors, no partial writes. For 16-byte aligned rows;
+// every thread calls it (it synchronises the block).
+template <typename Traits, typename Acc, typename TiledMma>
+__device__ __forceinline__ void store_dkv_staged(Acc &acc, TiledMma const &tiled_mma, typename Traits::Element *smem,
+                                                 void *ptr, int64_t offset, int64_t row_stride, int rows_valid,
+                                                 int head_dim, float scale) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    Tensor s = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutKV{});
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) { acc(i) *= scale; }
+    Tensor r = convert_type<Element>(acc);
+    auto smem_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomAcc{}, tiled_mma);
+    auto smem_thr_copy = smem_copy.get_thread_slice(threadIdx.x);
+    cute::copy(smem_copy, smem_thr_copy.retile_S(r), smem_thr_copy.partition_D(s));
+    __syncthreads();
+    typename Traits::GmemTiledCopyO gmem_copy;
+    auto gmem_thr_copy = gmem_copy.get_thread_slice(threadIdx.x);
+    Tensor g = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(ptr) + offset),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(row_stride, _1{}));
+    Tensor tg = gmem_thr_copy.partition_D(g);
+    Tensor tr = make_tensor<Element>(shape(tg));
+    cute::copy(gmem_copy, gmem_thr_copy.partition_S(s), tr);
+    Tensor tc = gmem_thr_copy.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    Tensor tp = col_predicates(tc, head_dim);
+    copy_tile<false>(gmem_copy, tr, tg, tc, tp, rows_valid, head_dim == kHeadDim && rows_valid >= kBlockN);
+}
 
-    template <typename Acc, typename Coords>
-    __device__ __forceinline__ void add(Acc const &acc_dq, Coords const &coords, int m_block) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i + 1): adjacent columns of one row
-            const int row = get<0>(coords(i)), col = get<1>(coords(i));
-            const int offset = row * kHeadDim + dq_accum_col(row0 + row, col, kHeadDim);
-            if constexpr (kStaged) {
-                *reinterpret_cast<float2 *>(smem_dq + offset) = make_float2(acc_dq(i), acc_dq(i + 1));
-            } else {
-                atomic_add_pair(dq_accum + int64_t(m_block) * kBlockM * kHeadDim + offset, acc_dq(i), acc_dq(i + 1));
-            }
-        }
-        if constexpr (kStaged) {
-            fence_smem_for_bulk();
-            pending = m_block;
-        }
+// Adds a query block's dQ (an accumulator of tiled_mma_dq) into its rows of dq_accum, two adjacent
+// columns per vector reduction. The tile is partitioned like the accumulator, so every address is
+// one per-thread base plus a constant: nothing per element stays live across the loop.
+template <typename Traits, typename Acc, typename TiledMma>
+__device__ __forceinline__ void add_dq_accum(Acc const &acc_dq, TiledMma const &tiled_mma, float *dq_accum_block) {
+    constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+    Tensor g = make_tensor(make_gmem_ptr(dq_accum_block), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           Stride<Int<kHeadDim>, _1>{});
+    Tensor tg = tiled_mma.get_thread_slice(threadIdx.x).partition_C(g);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i + 1): adjacent columns of one row
+        atomic_add_pair(&tg(i), acc_dq(i), acc_dq(i + 1));
     }
-    // After a barrier that follows add(): the staged tile goes out.
-    __device__ __forceinline__ void flush() {
-        if constexpr (kStaged) {
-            if (pending >= 0 && threadIdx.x == 0) {
-                bulk_reduce_add(dq_accum + int64_t(pending) * kBlockM * kHeadDim, smem_dq, kBlockM * kHeadDim * 4);
-            }
-            pending = -1;
-        }
-    }
-    // Before a barrier that precedes the next add(): the staging tile is free again.
-    __device__ __forceinline__ void wait_staging_free() {
-        if constexpr (kStaged) {
-            if (threadIdx.x == 0) { bulk_wait(); }
-        }
-    }
-    // At the end of a key block: everything issued has landed (a deterministic CTA adds the same
-    // rows again from its next key block, and must do so in order).
-    __device__ __forceinline__ void finish() {
-        if constexpr (kStaged) {
-            __syncthreads();
-            flush();
-            if (threadIdx.x == 0) { bulk_wait<true>(); }
-        }
-    }
-};
+}
 
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo &seq, int n_block, int bidb,
@@ -341,10 +391,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     // dq_accum rows of this (split, head, sequence); rows past the sequence only ever receive exact
     // zeros (P is 0 there).
     const int64_t dq_row0 = seq.q_start >= 0 ? seq.q_start : int64_t(bidb) * params.seqlen_q_rounded;
-    DqAccumWriter<Traits> dq_writer{params.dq_accum_ptr + dq_accum_split * params.dq_accum_split_stride +
-                                        int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * kHeadDim,
-                                    reinterpret_cast<float *>(smem + Traits::kSmemSize), int(dq_row0 & 7)};
-    Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    float *dq_accum = params.dq_accum_ptr + dq_accum_split * params.dq_accum_split_stride +
+                      int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * kHeadDim;
 
     const AttentionMask mask = AttentionMask::make(params, seq, bidb, bidh);
     const bool has_alibi = params.alibi_slopes_ptr != nullptr;
@@ -358,7 +406,6 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         const int buf = (m_block - m_block_min) % 2;
         cute::cp_async_wait<0>();
         __syncthreads();  // Q/dO[m] (and K, V) landed; every warp is done with the last iteration's tiles
-        dq_writer.flush();
         if (m_block + 1 < m_block_max) {
             load_q_do(m_block + 1, buf ^ 1);
             cute::cp_async_fence();
@@ -421,30 +468,42 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                                        static_cast<Element *>(nullptr), 0);
         }
 
-        // dS = P (dP / p_keep (0 where dropped) - softmax_d) [* (1 - tanh^2)].
+        // dS = P (dP / p_keep (0 where dropped) - softmax_d) [* (1 - tanh^2)]. Two copies of the
+        // loop, so that without softcap no instruction of its derivative is issued (predicated off).
         Tensor dp = make_tensor(acc_dp.data(), acc_as_rowcol(acc_dp.layout()));
-        Tensor dtanh_staged = make_tensor<Element>(acc_dp.layout());
-        if (has_softcap) { cute::copy(smem_copy_PdS, tdSsdS, thr_copy_PdS.retile_D(dtanh_staged)); }
-        Tensor dtanh_rc = make_tensor(dtanh_staged.data(), acc_as_rowcol(dtanh_staged.layout()));
-        CUTE_UNROLL
-        for (int r = 0; r < size<0>(dp); ++r) {
+        auto compute_ds = [&](auto softcap_on) {
+            constexpr bool Has_softcap = decltype(softcap_on)::value;
+            Tensor dtanh_staged = make_tensor<Element>(acc_dp.layout());
+            if constexpr (Has_softcap) { cute::copy(smem_copy_PdS, tdSsdS, thr_copy_PdS.retile_D(dtanh_staged)); }
+            Tensor dtanh_rc = make_tensor(dtanh_staged.data(), acc_as_rowcol(dtanh_staged.layout()));
             CUTE_UNROLL
-            for (int c = 0; c < size<1>(dp); ++c) {
-                const float p = scores(r, c);
-                const bool kept = p >= 0.f;
-                const float dp_kept = Is_dropout ? (kept ? dp(r, c) * params.rp_dropout : 0.f) : dp(r, c);
-                float ds = fabsf(p) * (dp_kept - row_d[r]);
-                if (has_softcap) { ds *= float(dtanh_rc(r, c)); }
-                dp(r, c) = ds;
-                scores(r, c) = kept ? p : 0.f;  // P with dropped elements zeroed, for dV
+            for (int r = 0; r < size<0>(dp); ++r) {
+                CUTE_UNROLL
+                for (int c = 0; c < size<1>(dp); ++c) {
+                    const float p = scores(r, c);
+                    float ds;
+                    if constexpr (Is_dropout) {
+                        const bool kept = p >= 0.f;
+                        ds = fabsf(p) * ((kept ? dp(r, c) * params.rp_dropout : 0.f) - row_d[r]);
+                        scores(r, c) = kept ? p : 0.f;  // P with dropped elements zeroed, for dV
+                    } else {
+                        ds = p * (dp(r, c) - row_d[r]);
+                    }
+                    if constexpr (Has_softcap) { ds *= float(dtanh_rc(r, c)); }
+                    dp(r, c) = ds;
+                }
             }
+        };
+        if (has_softcap) {
+            compute_ds(std::true_type{});
+        } else {
+            compute_ds(std::false_type{});
         }
         Tensor rP = convert_type<Element>(acc_s);
         Tensor rdS = convert_type<Element>(acc_dp);
         cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
         cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
-        dq_writer.wait_staging_free();
-        __syncthreads();  // P and dS complete in shared memory; the dQ staging tile is free
+        __syncthreads();  // P and dS complete in shared memory
 
         // dV += P^T dO (the 1 / p_keep of dropout is applied once, at the end).
         gemm(acc_dv, tdVrPt, tdVrdOt, tdVsPt, thr_copy_Bt_dkv.partition_S(sdOt(buf)), tiled_mma_dkv,
@@ -455,19 +514,31 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         clear(acc_dq);
         gemm(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_copy_A_dq, smem_copy_Bt_dq,
              thr_copy_A_dq, thr_copy_Bt_dq);
-        dq_writer.add(acc_dq, tdQcdQ, m_block);
+        add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
 
         // dK += dS^T Q.
         gemm(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, thr_copy_Bt_dkv.partition_S(sQt(buf)), tiled_mma_dkv,
              smem_copy_At_dkv, smem_copy_Bt_dkv, thr_copy_At_dkv, thr_copy_Bt_dkv);
     }
 
-    dq_writer.finish();
-
-    store_dkv<Traits>(acc_dk, tiled_mma_dkv, params.dk_ptr, dk_row0, params.dk_row_stride, kv_rows,
-                      params.head_dim, params.softmax_scale);
-    store_dkv<Traits>(acc_dv, tiled_mma_dkv, params.dv_ptr, dv_row0, params.dv_row_stride, kv_rows,
-                      params.head_dim, Is_dropout ? params.rp_dropout : 1.f);
+    const float dk_scale = params.softmax_scale, dv_scale = Is_dropout ? params.rp_dropout : 1.f;
+    auto rows_aligned = [](const void *ptr, int64_t offset, int64_t row_stride) {
+        return (reinterpret_cast<uintptr_t>(static_cast<const Element *>(ptr) + offset) % 16 == 0) &&
+               row_stride % (16 / sizeof(Element)) == 0;
+    };
+    if (rows_aligned(params.dk_ptr, dk_row0, params.dk_row_stride) &&
+        rows_aligned(params.dv_ptr, dv_row0, params.dv_row_stride)) {  // the same for every thread
+        __syncthreads();  // every warp is done with K and V: their tiles take dK and dV
+        store_dkv_staged<Traits>(acc_dk, tiled_mma_dkv, smem_k, params.dk_ptr, dk_row0, params.dk_row_stride,
+                                 kv_rows, params.head_dim, dk_scale);
+        store_dkv_staged<Traits>(acc_dv, tiled_mma_dkv, smem_v, params.dv_ptr, dv_row0, params.dv_row_stride,
+                                 kv_rows, params.head_dim, dv_scale);
+    } else {
+        store_dkv<Traits>(acc_dk, tiled_mma_dkv, params.dk_ptr, dk_row0, params.dk_row_stride, kv_rows,
+                          params.head_dim, dk_scale);
+        store_dkv<Traits>(acc_dv, tiled_mma_dkv, params.dv_ptr, dv_row0, params.dv_row_stride, kv_rows,
+                          params.head_dim, dv_scale);
+    }
 }
 
 // grid (splits or key blocks, batch, heads): a CTA walks key blocks blockIdx.x, + gridDim.x, ...

@@ -1,5 +1,6 @@
-// The launch of the backward: softmax_d, the key-block kernel, and the dq conversion. Included
-// only by the generated instantiation units (one per dtype x head dim x dropout x mask).
+// The launch of the backward: softmax_d (which also zeroes dq_accum), the key-block kernel, and
+// the dq conversion. Included only by the generated instantiation units (one per dtype x head dim
+// x dropout x mask).
 #pragma once
 
 #include "cuda_check.h"
@@ -18,28 +19,23 @@ void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
     const int num_tokens = params.cu_seqlens_q != nullptr ? params.total_q : params.batch * params.seqlen_q;
     constexpr int kThreads = 256;
 
-    const int64_t dot_threads = int64_t(num_tokens) * params.heads * 32;
+    const int64_t dot_threads = int64_t(num_tokens) * params.heads * kDotLanesPerRow;
     flash_bwd_dot_do_o_kernel<Element>
         <<<unsigned((dot_threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(params, num_tokens);
     check_cuda(cudaGetLastError(), "launch of the backward's rowsum(dO * O) kernel");
 
-    // The sm90 code stages dQ after the tiles when it fits (DqAccumWriter); give it the room.
-    int device = 0, cc_major = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device),
-               "cudaDeviceGetAttribute(compute capability)");
-    const int kSmemSize = Traits::kSmemSize + (Traits::kdQStagingFits && cc_major >= 9 ? Traits::kSmemdQSize : 0);
+    constexpr int kSmemSize = Traits::kSmemSize;
     auto kernel = &flash_bwd_kernel<Traits, Is_dropout, Is_masked>;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize),
                "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");
     const int n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
-    if (n_blocks > 0) {  // no keys at all: dq_accum stays zero, so dq comes out zero
+    if (n_blocks > 0) {  // no keys at all: dq_accum stays zero (see above), so dq comes out zero
         const dim3 grid(params.deterministic ? params.num_splits : n_blocks, params.batch, params.heads);
         kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
         check_cuda(cudaGetLastError(), "launch of the backward kernel");
     }
 
-    const int64_t convert_threads = int64_t(num_tokens) * params.heads * params.head_dim;
+    const int64_t convert_threads = int64_t(num_tokens) * params.heads * (params.head_dim / 8);
     flash_bwd_convert_dq_kernel<Element>
         <<<unsigned((convert_threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(params, num_tokens);
     check_cuda(cudaGetLastError(), "launch of the backward's dq conversion kernel");

@@ -147,10 +147,6 @@ struct BackwardTraits : CommonTraits<kHeadDim_, kBlockM_, kBlockN_, kNWarps_ * 3
     static constexpr int kSmemKVSize = int(size(SmemLayoutKV{})) * int(sizeof(Element));    // K or V
     static constexpr int kSmemPdSSize = int(size(SmemLayoutPdS{})) * int(sizeof(Element));  // P or dS
     static constexpr int kSmemSize = 4 * kSmemQdOSize + 2 * kSmemKVSize + 2 * kSmemPdSSize;
-    // On sm90 a query block's dQ is staged in fp32 after the tiles and leaves in one bulk
-    // reduce-add, when it fits in the 227 KB a block may have; otherwise threads add it atomically.
-    static constexpr int kSmemdQSize = kBlockM * kHeadDim * int(sizeof(float));
-    static constexpr bool kdQStagingFits = kSmemSize + kSmemdQSize <= 227 * 1024;
 };
 
 }  // namespace flash

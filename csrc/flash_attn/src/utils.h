@@ -13,7 +13,7 @@ using namespace cute;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Hopper-only paths (bulk asynchronous copies, vector reductions) are compiled for sm_90 and up.
+// Hopper-only paths (vector reductions) are compiled for sm_90 and up.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define FLASH_ARCH_SM90 1
 #else
@@ -27,35 +27,6 @@ __device__ __forceinline__ void atomic_add_pair(float *gmem, float a, float b) {
 #else
     atomicAdd(gmem, a);
     atomicAdd(gmem + 1, b);
-#endif
-}
-
-// sm90 bulk asynchronous reduce-add of `bytes` (a multiple of 16, both addresses 16-byte aligned)
-// from shared to global memory, done by the TMA unit. The shared source must have been made
-// visible to the async proxy (fence_smem_for_bulk) by the threads that wrote it.
-__device__ __forceinline__ void bulk_reduce_add(float *gmem, const float *smem, int bytes) {
-#if FLASH_ARCH_SM90
-    const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                 ::"l"(gmem), "r"(smem_addr), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void fence_smem_for_bulk() {
-#if FLASH_ARCH_SM90
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-// Waits until the issued bulk operations have read their shared memory (it may be rewritten) or,
-// with Complete, until their global writes are done.
-template <bool Complete = false>
-__device__ __forceinline__ void bulk_wait() {
-#if FLASH_ARCH_SM90
-    if constexpr (Complete) {
-        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    } else {
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    }
 #endif
 }
 
