@@ -220,6 +220,17 @@ __device__ __forceinline__ void add_dq_accum(Acc const &acc_dq, TiledMma const &
     }
 }
 
+// The forward's log-sum-exp and softmax_d of a query block's rows ride along with its Q and dO
+// tiles (4-byte asynchronous copies, double-buffered after the tiles), so that they are read from
+// shared memory after the S and dP GEMMs instead of occupying registers across them.
+template <typename Traits>
+constexpr int kSmemRowStatsSize = 2 * 2 * Traits::kBlockM * int(sizeof(float));  // (lse, d) x 2 buffers
+
+__device__ __forceinline__ void cp_async_4(float *smem, const float *gmem) {
+    const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr), "l"(gmem) : "memory");
+}
+
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo &seq, int n_block, int bidb,
                               int bidh, int dq_accum_split, char *smem) {
@@ -279,6 +290,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     Element *smem_v = smem_k + size(typename Traits::SmemLayoutKV{});
     Element *smem_p = smem_v + size(typename Traits::SmemLayoutKV{});
     Element *smem_ds = smem_p + size(typename Traits::SmemLayoutPdS{});
+    float *smem_row_stats = reinterpret_cast<float *>(smem + Traits::kSmemSize);  // [buf][lse, d][row]
     // Buffer `buf` of the double-buffered Q or dO, in the given layout (rows x d, or transposed).
     auto buffer = [&](Element *base, int buf, auto layout) {
         return make_tensor(make_smem_ptr(base + buf * size(typename Traits::SmemLayoutQdO{})), layout);
@@ -336,6 +348,15 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         Tensor tdOsdO = gmem_thr_copy.partition_D(sdOb);
         copy_tile(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, tQpQ, rows, full);
         copy_tile(gmem_tiled_copy, tdOgdO, tdOsdO, tQcQ, tQpQ, rows, full);
+        // Rows past the sequence are not copied: they are read as lse = +inf below (P = 0).
+        for (int i = tidx; i < 2 * kBlockM; i += Traits::kNThreads) {
+            const int row = i % kBlockM;
+            if (row < rows) {
+                const int64_t idx = lse_index(params, seq, bidb, bidh, m_block * kBlockM + row);
+                cp_async_4(smem_row_stats + (buf * 2 + i / kBlockM) * kBlockM + row,
+                           (i < kBlockM ? params.softmax_lse_ptr : params.softmax_d_ptr) + idx);
+            }
+        }
     };
     load_q_do(m_block_min, 0);
     cute::cp_async_fence();
@@ -411,18 +432,6 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
             cute::cp_async_fence();
         }
 
-        // This thread's rows: log-sum-exp of the forward (+inf past the sequence: P = 0 there)
-        // and softmax_d.
-        float lse_log2[kRows], row_d[kRows];
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-            const int row = m_block * kBlockM + get<0>(tScS_rc(r, 0));
-            const bool valid = row < seq.seqlen_q;
-            const int64_t idx = lse_index(params, seq, bidb, bidh, valid ? row : 0);
-            lse_log2[r] = valid ? params.softmax_lse_ptr[idx] * kLog2e : INFINITY;
-            row_d[r] = valid ? params.softmax_d_ptr[idx] : 0.f;
-        }
-
         // S = Q K^T and dP = dO V^T, both issued before any element-wise work so that the exp and
         // mask instructions below overlap with the tensor cores still working on dP.
         Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -433,6 +442,17 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         clear(acc_dp);
         gemm(acc_dp, tdPrdO, tdPrV, thr_copy_A_sdp.partition_S(sdO(buf)), tdPsV, tiled_mma_sdp,
              smem_copy_A_sdp, smem_copy_B_sdp, thr_copy_A_sdp, thr_copy_B_sdp);
+
+        // This thread's rows: log-sum-exp of the forward (+inf past the sequence: P = 0 there)
+        // and softmax_d.
+        float lse_log2[kRows], row_d[kRows];
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            const int row = get<0>(tScS_rc(r, 0));
+            const bool valid = m_block * kBlockM + row < seq.seqlen_q;
+            lse_log2[r] = valid ? smem_row_stats[(buf * 2) * kBlockM + row] * kLog2e : INFINITY;
+            row_d[r] = valid ? smem_row_stats[(buf * 2 + 1) * kBlockM + row] : 0.f;
+        }
 
         // The forward's score modifications, then P = exp(S - lse).
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
