@@ -434,13 +434,16 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
 
         // S = Q K^T and dP = dO V^T, both issued before any element-wise work so that the exp and
         // mask instructions below overlap with the tensor cores still working on dP.
+        // With a 128 x 128 tile, S and dP alone fill half the registers: their operands are then
+        // not prefetched a k-slice ahead, which keeps the loop from spilling.
+        constexpr bool kPrefetchSdP = kBlockM * kBlockN < 128 * 128;
         Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
         clear(acc_s);
-        gemm(acc_s, tSrQ, tSrK, thr_copy_A_sdp.partition_S(sQ(buf)), tSsK, tiled_mma_sdp, smem_copy_A_sdp,
+        gemm<false, kPrefetchSdP>(acc_s, tSrQ, tSrK, thr_copy_A_sdp.partition_S(sQ(buf)), tSsK, tiled_mma_sdp, smem_copy_A_sdp,
              smem_copy_B_sdp, thr_copy_A_sdp, thr_copy_B_sdp);
         Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
         clear(acc_dp);
-        gemm(acc_dp, tdPrdO, tdPrV, thr_copy_A_sdp.partition_S(sdO(buf)), tdPsV, tiled_mma_sdp,
+        gemm<false, kPrefetchSdP>(acc_dp, tdPrdO, tdPrV, thr_copy_A_sdp.partition_S(sdO(buf)), tdPsV, tiled_mma_sdp,
              smem_copy_A_sdp, smem_copy_B_sdp, thr_copy_A_sdp, thr_copy_B_sdp);
 
         // This thread's rows: log-sum-exp of the forward (+inf past the sequence: P = 0 there)

@@ -70,10 +70,11 @@ __device__ __forceinline__ auto convert_type(Tensor<Engine, Layout> const &src) 
     return dst;
 }
 
-// acc += A B with A and B loaded from shared memory one k-slice ahead of the MMA that uses them.
+// acc += A B with A and B loaded from shared memory one k-slice ahead of the MMA that uses them
+// (Prefetch), or each right before its MMA (fewer live registers, for register-bound kernels).
 // A_in_regs: A is already in registers (P of the P V product).
-template <bool A_in_regs = false, typename Acc, typename TA, typename TB, typename TsA, typename TsB,
-          typename TiledMma, typename CopyA, typename CopyB, typename ThrCopyA, typename ThrCopyB>
+template <bool A_in_regs = false, bool Prefetch = true, typename Acc, typename TA, typename TB, typename TsA,
+          typename TsB, typename TiledMma, typename CopyA, typename CopyB, typename ThrCopyA, typename ThrCopyB>
 __device__ __forceinline__ void gemm(Acc &acc, TA &tCrA, TB &tCrB, TsA const &tCsA, TsB const &tCsB,
                                      TiledMma tiled_mma, CopyA copy_a, CopyB copy_b,
                                      ThrCopyA const &thr_copy_a, ThrCopyB const &thr_copy_b) {
@@ -86,10 +87,14 @@ __device__ __forceinline__ void gemm(Acc &acc, TA &tCrA, TB &tCrB, TsA const &tC
         }
         cute::copy(copy_b, tCsB(_, _, i), tCrB_view(_, _, i));
     };
-    load_slice(0);
+    if constexpr (Prefetch) { load_slice(0); }
     CUTE_UNROLL
     for (int i = 0; i < kSlices; ++i) {
-        if (i < kSlices - 1) { load_slice(i + 1); }
+        if constexpr (Prefetch) {
+            if (i < kSlices - 1) { load_slice(i + 1); }
+        } else {
+            load_slice(i);
+        }
         cute::gemm(tiled_mma, tCrA(_, _, i), tCrB(_, _, i), acc);
     }
 }
