@@ -135,10 +135,9 @@ def split_prebuilt(units, folder, cutlass_dir, key_flags):
         return units, []
     to_compile, objects = [], []
     for unit in units:
-        stem = Path(prebuilt) / Path(unit).stem
-        key_file, obj = stem.with_suffix(".key"), stem.with_suffix(".o")
         key = build_flags.unit_key(ROOT / unit, ROOT / folder / "src", cutlass_dir, key_flags)
-        if obj.is_file() and key_file.is_file() and key_file.read_text().strip() == key:
+        obj = build_flags.prebuilt_object(prebuilt, unit, key)
+        if obj is not None:
             objects.append(str(obj))
         else:
             to_compile.append(unit)
@@ -156,7 +155,7 @@ def cuda_extensions():
     wanted = env_list("FLASH_ATTN_EXTENSIONS", EXTENSIONS)
     archs = cuda_archs()
     nvcc_threads = os.getenv("NVCC_THREADS", "2")
-    key_flags = build_flags.NVCC_FLAGS + build_flags.gencode_flags(archs)
+    key_flags = build_flags.kernel_flags(archs)
     common_nvcc = key_flags + ["--threads", nvcc_threads]
     print(f"flash_attn: building {wanted} for sm {archs} with MAX_JOBS={os.getenv('MAX_JOBS', 'auto')}")
 

@@ -48,6 +48,11 @@ def gencode_flags(archs):
     return flags
 
 
+def kernel_flags(archs):
+    """nvcc flags of a kernel unit for these compute capabilities (what unit_key hashes)."""
+    return NVCC_FLAGS + gencode_flags(archs)
+
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
@@ -73,3 +78,13 @@ def unit_key(unit, kernel_src_dir, cutlass_include_dir, flags):
     digest.update(version.read_bytes() if version.is_file() else b"no cutlass version")
     digest.update(" ".join(flags).encode())
     return digest.hexdigest()
+
+
+def prebuilt_object(prebuilt_dir, unit, key):
+    """The object of `unit` in prebuilt_dir when it was compiled from sources with this unit_key,
+    else None."""
+    stem = Path(prebuilt_dir) / Path(unit).stem
+    obj, key_file = stem.with_suffix(".o"), stem.with_suffix(".key")
+    if obj.is_file() and key_file.is_file() and key_file.read_text().strip() == key:
+        return obj
+    return None

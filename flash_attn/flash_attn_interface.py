@@ -527,16 +527,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     )
 
 
+# The forward's key-block size per kernel head dim, without and with dropout: the mirror of
+# ForwardTile in csrc/flash_attn/src/tile_sizes.h (a test checks that they agree).
+_FORWARD_KEY_BLOCK = {32: (128, 64), 64: (128, 64), 96: (64, 64), 128: (64, 32), 160: (32, 32),
+                      192: (64, 32), 224: (64, 64), 256: (64, 32)}
+
+
 def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     """Key-block size of the forward kernel for this head dim (see csrc/.../flash_fwd_launch.h)."""
     del device, is_causal  # the same tiles serve every sm80-class GPU and both mask modes
     assert head_dim <= MAX_HEAD_DIM, f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}"
-    if head_dim <= 64:
-        return 64 if is_dropout else 128
-    if head_dim <= 96:
-        return 64
-    if head_dim <= 160:
-        return 32 if is_dropout or head_dim > 128 else 64
-    if 192 < head_dim <= 224:
-        return 64  # 8 warps copying 32-element rows move 64 rows a step: no 32-key tile
-    return 32 if is_dropout else 64
+    kernel_head_dim = min(d for d in _FORWARD_KEY_BLOCK if d >= head_dim)
+    return _FORWARD_KEY_BLOCK[kernel_head_dim][int(bool(is_dropout))]

@@ -20,7 +20,7 @@ OBJ=$(mktemp -d)
 # backward reuse the forward units.
 CACHE=${BWD_BENCH_CACHE:-/tmp/bwd_bench_cache}; mkdir -p "$CACHE"
 FLAGS="$(python3 -c "import sys; sys.path.insert(0, '$REPO/csrc'); import build_flags as b; \
-print(' '.join(b.NVCC_FLAGS + b.gencode_flags(['90'])))") -I$SRC -I$CUTLASS -Xptxas -v"
+print(' '.join(b.kernel_flags(['90'])))") -I$SRC -I$CUTLASS -Xptxas -v"
 export FLAGS OBJ CACHE SRC
 compile_one() {
   name=$(basename "$1" .cu)

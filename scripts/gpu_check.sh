@@ -10,6 +10,7 @@
 #   GPU_CHECK_PYTEST_ARGS extra pytest arguments (default: -x is not used; all tests run)
 #   GPU_CHECK_BENCHMARKS  benchmark scripts to run (default: every benchmarks/benchmark_*.py);
 #                         "none" runs none
+#   GPU_CHECK_BENCH_ARGS  arguments given to every benchmark (e.g. --dims 64,128)
 #   GPU_CHECK_SKIP_BUILD  set to 1 to reuse an existing install
 #   GPU_CHECK_PYTEST_TIMEOUT, GPU_CHECK_BENCH_TIMEOUT  seconds for the whole pytest run and for each
 #                         benchmark (default: no limit)
@@ -77,7 +78,8 @@ if [ "$benchmarks" != none ]; then
   for bench in $benchmarks; do
     name=$(basename "$bench" .py)
     start=$(date +%s)
-    timeout "${GPU_CHECK_BENCH_TIMEOUT:-0}" python3 "$bench" >"$LOG_DIR/$name.log" 2>&1
+    # shellcheck disable=SC2086
+    timeout "${GPU_CHECK_BENCH_TIMEOUT:-0}" python3 "$bench" ${GPU_CHECK_BENCH_ARGS:-} >"$LOG_DIR/$name.log" 2>&1
     note "$name: exit $? in $(( $(date +%s) - start )) s"
     tail -n 40 "$LOG_DIR/$name.log"
   done

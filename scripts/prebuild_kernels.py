@@ -38,7 +38,7 @@ def main():
     flags_mod = load_module("build_flags", ROOT / "csrc" / "build_flags.py")
     generator = load_module("generate_kernels", ATTENTION / "generate_kernels.py")
     cutlass = flags_mod.cutlass_include_dir()
-    key_flags = flags_mod.NVCC_FLAGS + flags_mod.gencode_flags(args.archs.replace(";", ",").split(","))
+    key_flags = flags_mod.kernel_flags(args.archs.replace(";", ",").split(","))
     # What torch's BuildExtension adds for every CUDA source of an extension.
     compile_flags = key_flags + ["-Xcompiler", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1", "-Xptxas", "-v",
                                  "-I", str(ATTENTION), "-I", str(ATTENTION / "src"), "-I", cutlass]
@@ -48,9 +48,9 @@ def main():
 
     def build(unit):
         key = flags_mod.unit_key(unit, ATTENTION / "src", cutlass, key_flags)
-        obj, key_file, log = (out_dir / (unit.stem + ext) for ext in (".o", ".key", ".log"))
-        if obj.is_file() and key_file.is_file() and key_file.read_text().strip() == key:
+        if flags_mod.prebuilt_object(out_dir, unit, key) is not None:
             return unit.name, "current"
+        obj, key_file, log = (out_dir / (unit.stem + ext) for ext in (".o", ".key", ".log"))
         start = time.time()
         tmp = obj.with_suffix(".o.tmp")
         result = subprocess.run(["nvcc", *compile_flags, "-c", str(unit), "-o", str(tmp)],

@@ -3,7 +3,8 @@
 // - each lane of the forward and backward S tiles holds whole 16x16 dropout cells in the m16n8
 //   layout (rows r, r + 8; columns 2c, 2c + 1, +8), so both kernels draw the same dropout mask;
 // - in the dQ and dK/dV accumulators, elements (i, i + 1) for even i are adjacent columns of one
-//   row starting at an even column (dQ is added to dq_accum and dK/dV stored in such pairs);
+//   row starting at an even column (dQ is added to dq_accum in such pairs, and dK/dV go to
+//   shared memory in them);
 // - Philox4x32-10 against the Random123 known-answer vectors.
 // Prints "OK" and exits 0, or prints the first mismatch and exits 1.
 #include <cstdio>

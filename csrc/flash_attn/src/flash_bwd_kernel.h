@@ -226,11 +226,6 @@ __device__ __forceinline__ void add_dq_accum(Acc const &acc_dq, TiledMma const &
 template <typename Traits>
 constexpr int kSmemRowStatsSize = 2 * 2 * Traits::kBlockM * int(sizeof(float));  // (lse, d) x 2 buffers
 
-__device__ __forceinline__ void cp_async_4(float *smem, const float *gmem) {
-    const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr), "l"(gmem) : "memory");
-}
-
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo &seq, int n_block, int bidb,
                               int bidh, int dq_accum_split, char *smem) {
@@ -353,8 +348,9 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
             const int row = i % kBlockM;
             if (row < rows) {
                 const int64_t idx = lse_index(params, seq, bidb, bidh, m_block * kBlockM + row);
-                cp_async_4(smem_row_stats + (buf * 2 + i / kBlockM) * kBlockM + row,
-                           (i < kBlockM ? params.softmax_lse_ptr : params.softmax_d_ptr) + idx);
+                SM80_CP_ASYNC_CACHEALWAYS<float>::copy(
+                    (i < kBlockM ? params.softmax_lse_ptr : params.softmax_d_ptr)[idx],
+                    smem_row_stats[(buf * 2 + i / kBlockM) * kBlockM + row]);
             }
         }
     };
