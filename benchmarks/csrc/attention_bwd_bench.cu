@@ -6,6 +6,7 @@
 //   scripts/build_bwd_bench.sh SRC_DIR OUT_BINARY   (compiles the units + this file)
 //   OUT_BINARY [head_dim ...]                       (64 and/or 128; default both)
 //   OUT_BINARY --one HEAD_DIM SEQLEN                (one non-causal case, e.g. under ncu)
+// At seqlen 1024 the dq, dk, dv of (batch 0, head 0) are also checked against a plain fp32 reference.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -89,6 +90,101 @@ static float time_backward(flash::AttentionParams &params, const Buffers &buf, i
     return ms / reps;
 }
 
+// A plain fp32 reference of the backward for one (batch 0, head 0) slice, to catch a kernel
+// variant that is fast but wrong: P and dS are materialised (seqlen^2 floats each), so it is
+// used at seqlen 1024 only.
+__device__ float bf(const __nv_bfloat16 *x, size_t i) { return __bfloat162float(x[i]); }
+
+__global__ void reference_rows(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
+                               const __nv_bfloat16 *dout, int seqlen, int d, int64_t row, float scale,
+                               bool causal, float *p, float *ds, float *dq) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= seqlen) { return; }
+    const int last = causal ? i : seqlen - 1;
+    float m = -INFINITY;
+    for (int j = 0; j <= last; ++j) {
+        float s = 0.f;
+        for (int c = 0; c < d; ++c) { s += bf(q, i * row + c) * bf(k, j * row + c); }
+        p[size_t(i) * seqlen + j] = s * scale;
+        m = fmaxf(m, s * scale);
+    }
+    float l = 0.f;
+    for (int j = 0; j <= last; ++j) { l += expf(p[size_t(i) * seqlen + j] - m); }
+    float d_i = 0.f;  // rowsum(dO * O) with O = P V
+    for (int c = 0; c < d; ++c) {
+        float o = 0.f;
+        for (int j = 0; j <= last; ++j) { o += expf(p[size_t(i) * seqlen + j] - m) / l * bf(v, j * row + c); }
+        d_i += o * bf(dout, i * row + c);
+    }
+    for (int j = 0; j < seqlen; ++j) {
+        float pij = 0.f, dsij = 0.f;
+        if (j <= last) {
+            pij = expf(p[size_t(i) * seqlen + j] - m) / l;
+            float dp = 0.f;
+            for (int c = 0; c < d; ++c) { dp += bf(dout, i * row + c) * bf(v, j * row + c); }
+            dsij = pij * (dp - d_i);
+        }
+        p[size_t(i) * seqlen + j] = pij;
+        ds[size_t(i) * seqlen + j] = dsij;
+    }
+    for (int c = 0; c < d; ++c) {
+        float acc = 0.f;
+        for (int j = 0; j <= last; ++j) { acc += ds[size_t(i) * seqlen + j] * bf(k, j * row + c); }
+        dq[size_t(i) * d + c] = acc * scale;
+    }
+}
+
+__global__ void reference_cols(const __nv_bfloat16 *q, const __nv_bfloat16 *dout, int seqlen, int d, int64_t row,
+                               float scale, const float *p, const float *ds, float *dk, float *dv) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= seqlen) { return; }
+    for (int c = 0; c < d; ++c) {
+        float acc_k = 0.f, acc_v = 0.f;
+        for (int i = 0; i < seqlen; ++i) {
+            acc_k += ds[size_t(i) * seqlen + j] * bf(q, i * row + c);
+            acc_v += p[size_t(i) * seqlen + j] * bf(dout, i * row + c);
+        }
+        dk[size_t(j) * d + c] = acc_k * scale;
+        dv[size_t(j) * d + c] = acc_v;
+    }
+}
+
+// Largest |ours - reference| over the slice, relative to the largest |reference|.
+static float relative_error(const __nv_bfloat16 *ours_dev, const float *ref_dev, int seqlen, int d, int64_t row) {
+    std::vector<__nv_bfloat16> ours(size_t(seqlen) * row);
+    std::vector<float> ref(size_t(seqlen) * d);
+    CHECK(cudaMemcpy(ours.data(), ours_dev, ours.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(ref.data(), ref_dev, ref.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    float err = 0.f, scale = 0.f;
+    for (int i = 0; i < seqlen; ++i) {
+        for (int c = 0; c < d; ++c) {
+            const float r = ref[size_t(i) * d + c];
+            err = std::fmax(err, std::fabs(__bfloat162float(ours[size_t(i) * row + c]) - r));
+            scale = std::fmax(scale, std::fabs(r));
+        }
+    }
+    return err / scale;
+}
+
+static bool check_backward(const Buffers &buf, int seqlen, int d, int64_t row, float scale, bool causal) {
+    float *p, *ds, *ref[3];
+    CHECK(cudaMalloc(&p, size_t(seqlen) * seqlen * sizeof(float)));
+    CHECK(cudaMalloc(&ds, size_t(seqlen) * seqlen * sizeof(float)));
+    for (float *&r : ref) { CHECK(cudaMalloc(&r, size_t(seqlen) * d * sizeof(float))); }
+    reference_rows<<<(seqlen + 127) / 128, 128>>>(buf.q, buf.k, buf.v, buf.dout, seqlen, d, row, scale, causal, p, ds, ref[0]);
+    reference_cols<<<(seqlen + 127) / 128, 128>>>(buf.q, buf.dout, seqlen, d, row, scale, p, ds, ref[1], ref[2]);
+    CHECK(cudaDeviceSynchronize());
+    const float err_dq = relative_error(buf.dq, ref[0], seqlen, d, row);
+    const float err_dk = relative_error(buf.dk, ref[1], seqlen, d, row);
+    const float err_dv = relative_error(buf.dv, ref[2], seqlen, d, row);
+    // bf16 outputs of sums over a thousand terms: a few 1e-3 relative; a wrong layout gives O(1).
+    const bool ok = err_dq < 2e-2f && err_dk < 2e-2f && err_dv < 2e-2f;
+    std::printf("check d%d%s s%d: max relative error dq %.2e dk %.2e dv %.2e -> %s\n", d, causal ? " causal" : "",
+                seqlen, err_dq, err_dk, err_dv, ok ? "OK" : "WRONG");
+    for (float *r : {p, ds, ref[0], ref[1], ref[2]}) { CHECK(cudaFree(r)); }
+    return ok;
+}
+
 static void run_case(int head_dim, bool causal, int seqlen) {
     const int batch = 16384 / seqlen, heads = 2048 / head_dim;
     const size_t n = size_t(batch) * seqlen * heads * head_dim;
@@ -147,6 +243,7 @@ static void run_case(int head_dim, bool causal, int seqlen) {
     const double flops = 2.5 * 4.0 * batch * double(seqlen) * seqlen * heads * head_dim / (causal ? 2 : 1);
     std::printf("| bwd | bf16 | %d | %s | %d | %d | %d | %.3f | %.1f |\n", head_dim, causal ? "True" : "False",
                 seqlen, batch, heads, ms, flops / ms / 1e9);
+    if (seqlen == 1024) { check_backward(buf, seqlen, head_dim, row, params.softmax_scale, causal); }
     for (void *p : {(void *)buf.q, (void *)buf.k, (void *)buf.v, (void *)buf.o, (void *)buf.dout, (void *)buf.dq,
                     (void *)buf.dk, (void *)buf.dv, (void *)buf.lse, (void *)buf.softmax_d, (void *)buf.dq_accum}) {
         CHECK(cudaFree(p));

@@ -10,6 +10,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "bwd_wgmma.h"
 #include "dropout.h"
 #include "flash.h"
 #include "flash_fwd_kernel.h"
@@ -260,11 +261,17 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                             int64_t(n_block) * kBlockN * params.dv_row_stride + int64_t(bidh) * params.dv_head_stride;
 
     typename Traits::TiledMmaSdP tiled_mma_sdp;
-    typename Traits::TiledMmadKV tiled_mma_dkv;
-    typename Traits::TiledMmadQ tiled_mma_dq;
+    typename Traits::TiledMmadKV tiled_mma_dkv_sync;
+    typename Traits::TiledMmadQ tiled_mma_dq_sync;
+    // dV, dK and dQ run on wgmma where it applies (bwd_wgmma.h), else on mma.sync like S and dP; their
+    // accumulators are laid out by the MMA that computes them.
+    using Wgmma = BackwardWgmma<Traits>;
+    constexpr bool kWgmma = Wgmma::kEnabled;
+    std::conditional_t<kWgmma, typename Wgmma::TiledMmadKV, typename Traits::TiledMmadKV> tiled_mma_dkv;
+    std::conditional_t<kWgmma, typename Wgmma::TiledMmadQ, typename Traits::TiledMmadQ> tiled_mma_dq;
     auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(tidx);
-    auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(tidx);
-    auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tidx);
+    auto thr_mma_dkv = tiled_mma_dkv_sync.get_thread_slice(tidx);
+    auto thr_mma_dq = tiled_mma_dq_sync.get_thread_slice(tidx);
     Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     clear(acc_dk);
@@ -360,10 +367,10 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     // Shared -> register copies of the five GEMMs.
     auto smem_copy_A_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
     auto smem_copy_B_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
-    auto smem_copy_At_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
-    auto smem_copy_Bt_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv);
-    auto smem_copy_A_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_dq);
-    auto smem_copy_Bt_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dq);
+    auto smem_copy_At_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv_sync);
+    auto smem_copy_Bt_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv_sync);
+    auto smem_copy_A_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_dq_sync);
+    auto smem_copy_Bt_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dq_sync);
     auto thr_copy_A_sdp = smem_copy_A_sdp.get_thread_slice(tidx);
     auto thr_copy_B_sdp = smem_copy_B_sdp.get_thread_slice(tidx);
     auto thr_copy_At_dkv = smem_copy_At_dkv.get_thread_slice(tidx);
@@ -422,6 +429,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
         const int buf = (m_block - m_block_min) % 2;
         cute::cp_async_wait<0>();
+        if constexpr (kWgmma) { fence_smem_for_wgmma(); }
         __syncthreads();  // Q/dO[m] (and K, V) landed; every warp is done with the last iteration's tiles
         if (m_block + 1 < m_block_max) {
             load_q_do(m_block + 1, buf ^ 1);
@@ -522,18 +530,35 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         Tensor rdS = convert_type<Element>(acc_dp);
         cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
         cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
+        if constexpr (kWgmma) { fence_smem_for_wgmma(); }
         __syncthreads();  // P and dS complete in shared memory
 
-        // dV += P^T dO (the 1 / p_keep of dropout is applied once, at the end).
-        gemm(acc_dv, tdVrPt, tdVrdOt, tdVsPt, thr_copy_Bt_dkv.partition_S(sdOt(buf)), tiled_mma_dkv,
-             smem_copy_At_dkv, smem_copy_Bt_dkv, thr_copy_At_dkv, thr_copy_Bt_dkv);
-
-        gemm(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, thr_copy_Bt_dkv.partition_S(sQt(buf)), tiled_mma_dkv,
-             smem_copy_At_dkv, smem_copy_Bt_dkv, thr_copy_At_dkv, thr_copy_Bt_dkv);
+        // dV += P^T dO (the 1 / p_keep of dropout is applied once, at the end), dK += dS^T Q, dQ = dS K.
         Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        clear(acc_dq);
-        gemm(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, smem_copy_A_dq, smem_copy_Bt_dq,
-             thr_copy_A_dq, thr_copy_Bt_dq);
+        if constexpr (kWgmma) {
+            auto view = [](Element *ptr, auto layout) { return make_tensor(make_smem_ptr(ptr), layout); };
+            const int buf_offset = buf * size(typename Traits::SmemLayoutQdO{});
+            auto thr_dkv = tiled_mma_dkv.get_thread_slice(tidx);
+            auto thr_dq = tiled_mma_dq.get_thread_slice(tidx);
+            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(view(smem_p, typename Wgmma::SmemLayoutPdSt{})),
+                              thr_dkv.partition_fragment_B(view(smem_do + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
+                              acc_dv);
+            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(view(smem_ds, typename Wgmma::SmemLayoutPdSt{})),
+                              thr_dkv.partition_fragment_B(view(smem_q + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
+                              acc_dk);
+            wgmma_gemm<true>(tiled_mma_dq, thr_dq.partition_fragment_A(view(smem_ds, typename Wgmma::SmemLayoutdS{})),
+                             thr_dq.partition_fragment_B(view(smem_k, typename Wgmma::SmemLayoutKt{})), acc_dq);
+            warpgroup_wait<0>();
+        } else {
+            gemm(acc_dv, tdVrPt, tdVrdOt, tdVsPt, thr_copy_Bt_dkv.partition_S(sdOt(buf)), tiled_mma_dkv_sync,
+                 smem_copy_At_dkv, smem_copy_Bt_dkv, thr_copy_At_dkv, thr_copy_Bt_dkv);
+
+            gemm(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, thr_copy_Bt_dkv.partition_S(sQt(buf)), tiled_mma_dkv_sync,
+                 smem_copy_At_dkv, smem_copy_Bt_dkv, thr_copy_At_dkv, thr_copy_Bt_dkv);
+            clear(acc_dq);
+            gemm(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq_sync, smem_copy_A_dq, smem_copy_Bt_dq,
+                 thr_copy_A_dq, thr_copy_Bt_dq);
+        }
         add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
     }
 
@@ -562,7 +587,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
 flash_bwd_kernel(const __grid_constant__ AttentionParams params) {
-    extern __shared__ char smem[];
+    extern __shared__ __align__(1024) char smem[];  // 1024: the swizzled tiles as wgmma reads them
     const int bidb = blockIdx.y, bidh = blockIdx.z;
     const SequenceInfo seq(params, bidb);
     const int n_blocks = ceil_div(seq.seqlen_k, Traits::kBlockN);
