@@ -438,9 +438,10 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
 
         // S = Q K^T and dP = dO V^T, both issued before any element-wise work so that the exp and
         // mask instructions below overlap with the tensor cores still working on dP.
-        // With a 128 x 128 tile, S and dP alone fill half the registers: their operands are then
-        // not prefetched a k-slice ahead, which keeps the loop from spilling.
-        constexpr bool kPrefetchSdP = kBlockM * kBlockN < 128 * 128;
+        // With a 128 x 128 tile, S and dP alone fill half the registers: unless wgmma frees the
+        // operand registers of the other three products, their operands are then not prefetched
+        // a k-slice ahead, which keeps the loop from spilling.
+        constexpr bool kPrefetchSdP = kWgmma || kBlockM * kBlockN < 128 * 128;
         Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
         clear(acc_s);
         gemm<false, kPrefetchSdP>(acc_s, tSrQ, tSrK, thr_copy_A_sdp.partition_S(sQ(buf)), tSsK, tiled_mma_sdp, smem_copy_A_sdp,
@@ -540,15 +541,20 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
             const int buf_offset = buf * size(typename Traits::SmemLayoutQdO{});
             auto thr_dkv = tiled_mma_dkv.get_thread_slice(tidx);
             auto thr_dq = tiled_mma_dq.get_thread_slice(tidx);
+            wgmma_gemm<true>(tiled_mma_dq, thr_dq.partition_fragment_A(view(smem_ds, typename Wgmma::SmemLayoutdS{})),
+                             thr_dq.partition_fragment_B(view(smem_k, typename Wgmma::SmemLayoutKt{})), acc_dq);
             wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(view(smem_p, typename Wgmma::SmemLayoutPdSt{})),
                               thr_dkv.partition_fragment_B(view(smem_do + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
                               acc_dv);
             wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(view(smem_ds, typename Wgmma::SmemLayoutPdSt{})),
                               thr_dkv.partition_fragment_B(view(smem_q + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
                               acc_dk);
-            wgmma_gemm<true>(tiled_mma_dq, thr_dq.partition_fragment_A(view(smem_ds, typename Wgmma::SmemLayoutdS{})),
-                             thr_dq.partition_fragment_B(view(smem_k, typename Wgmma::SmemLayoutKt{})), acc_dq);
+            warpgroup_wait<2>();  // dQ's batch is done: its atomics overlap with the dV and dK products
+            warpgroup_fence_operand(acc_dq);
+            add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
             warpgroup_wait<0>();
+            warpgroup_fence_operand(acc_dv);
+            warpgroup_fence_operand(acc_dk);
         } else {
             gemm(acc_dv, tdVrPt, tdVrdOt, tdVsPt, thr_copy_Bt_dkv.partition_S(sdOt(buf)), tiled_mma_dkv_sync,
                  smem_copy_At_dkv, smem_copy_Bt_dkv, thr_copy_At_dkv, thr_copy_Bt_dkv);
@@ -558,8 +564,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
             clear(acc_dq);
             gemm(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq_sync, smem_copy_A_dq, smem_copy_Bt_dq,
                  thr_copy_A_dq, thr_copy_Bt_dq);
+            add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
         }
-        add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
     }
 
     const float dk_scale = params.softmax_scale, dv_scale = Is_dropout ? params.rp_dropout : 1.f;
