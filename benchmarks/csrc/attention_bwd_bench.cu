@@ -1,12 +1,13 @@
-// Times the attention backward kernels without PyTorch: a tuning harness that links against the
-// generated kernel units of any source tree, so that several kernel variants compiled here can be
-// timed in one short GPU session. Reports TFLOP/s of the backward (2.5x the forward's FLOPs),
-// inputs laid out (batch, seqlen, heads, head_dim) as benchmark_flash_attention.py uses them.
+// Times the attention forward and backward kernels without PyTorch: a tuning harness that links
+// against the generated kernel units of any source tree, so that several kernel variants compiled
+// here can be timed in one short GPU session. Reports TFLOP/s of the forward and of the backward
+// (2.5x the forward's FLOPs), inputs laid out (batch, seqlen, heads, head_dim) as
+// benchmark_flash_attention.py uses them.
 //
 //   scripts/build_bwd_bench.sh SRC_DIR OUT_BINARY   (compiles the units + this file)
 //   OUT_BINARY [head_dim ...]                       (64 and/or 128; default both)
 //   OUT_BINARY --one HEAD_DIM SEQLEN                (one non-causal case, e.g. under ncu)
-// At seqlen 1024 the dq, dk, dv of (batch 0, head 0) are also checked against a plain fp32 reference.
+// At seqlen 1024 the o, dq, dk, dv of (batch 0, head 0) are also checked against a plain fp32 reference.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -67,7 +68,7 @@ struct Buffers {
     size_t accum_bytes;
 };
 
-static float time_backward(flash::AttentionParams &params, const Buffers &buf, int reps) {
+static float time_pass(flash::AttentionParams &params, const Buffers &buf, int reps, bool backward) {
     cudaEvent_t start, stop;
     CHECK(cudaEventCreate(&start));
     CHECK(cudaEventCreate(&stop));
@@ -76,8 +77,8 @@ static float time_backward(flash::AttentionParams &params, const Buffers &buf, i
     const char *memset_env = std::getenv("FLASH_BENCH_MEMSET_DQ_ACCUM");
     const bool memset_dq_accum = memset_env != nullptr && std::string(memset_env) == "1";
     auto once = [&] {
-        if (memset_dq_accum) { CHECK(cudaMemsetAsync(buf.dq_accum, 0, buf.accum_bytes)); }
-        launch(params, true);
+        if (backward && memset_dq_accum) { CHECK(cudaMemsetAsync(buf.dq_accum, 0, buf.accum_bytes)); }
+        launch(params, backward);
     };
     for (int i = 0; i < 3; ++i) { once(); }
     CHECK(cudaEventRecord(start));
@@ -97,7 +98,7 @@ __device__ float bf(const __nv_bfloat16 *x, size_t i) { return __bfloat162float(
 
 __global__ void reference_rows(const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
                                const __nv_bfloat16 *dout, int seqlen, int d, int64_t row, float scale,
-                               bool causal, float *p, float *ds, float *dq) {
+                               bool causal, float *p, float *ds, float *dq, float *o_ref) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= seqlen) { return; }
     const int last = causal ? i : seqlen - 1;
@@ -114,6 +115,7 @@ __global__ void reference_rows(const __nv_bfloat16 *q, const __nv_bfloat16 *k, c
     for (int c = 0; c < d; ++c) {
         float o = 0.f;
         for (int j = 0; j <= last; ++j) { o += expf(p[size_t(i) * seqlen + j] - m) / l * bf(v, j * row + c); }
+        o_ref[size_t(i) * d + c] = o;
         d_i += o * bf(dout, i * row + c);
     }
     for (int j = 0; j < seqlen; ++j) {
@@ -167,21 +169,23 @@ static float relative_error(const __nv_bfloat16 *ours_dev, const float *ref_dev,
 }
 
 static bool check_backward(const Buffers &buf, int seqlen, int d, int64_t row, float scale, bool causal) {
-    float *p, *ds, *ref[3];
+    float *p, *ds, *ref[4];
     CHECK(cudaMalloc(&p, size_t(seqlen) * seqlen * sizeof(float)));
     CHECK(cudaMalloc(&ds, size_t(seqlen) * seqlen * sizeof(float)));
     for (float *&r : ref) { CHECK(cudaMalloc(&r, size_t(seqlen) * d * sizeof(float))); }
-    reference_rows<<<(seqlen + 127) / 128, 128>>>(buf.q, buf.k, buf.v, buf.dout, seqlen, d, row, scale, causal, p, ds, ref[0]);
+    reference_rows<<<(seqlen + 127) / 128, 128>>>(buf.q, buf.k, buf.v, buf.dout, seqlen, d, row, scale, causal, p, ds, ref[0],
+                                                  ref[3]);
     reference_cols<<<(seqlen + 127) / 128, 128>>>(buf.q, buf.dout, seqlen, d, row, scale, p, ds, ref[1], ref[2]);
     CHECK(cudaDeviceSynchronize());
     const float err_dq = relative_error(buf.dq, ref[0], seqlen, d, row);
     const float err_dk = relative_error(buf.dk, ref[1], seqlen, d, row);
     const float err_dv = relative_error(buf.dv, ref[2], seqlen, d, row);
+    const float err_o = relative_error(buf.o, ref[3], seqlen, d, row);
     // bf16 outputs of sums over a thousand terms: a few 1e-3 relative; a wrong layout gives O(1).
-    const bool ok = err_dq < 2e-2f && err_dk < 2e-2f && err_dv < 2e-2f;
-    std::printf("check d%d%s s%d: max relative error dq %.2e dk %.2e dv %.2e -> %s\n", d, causal ? " causal" : "",
-                seqlen, err_dq, err_dk, err_dv, ok ? "OK" : "WRONG");
-    for (float *r : {p, ds, ref[0], ref[1], ref[2]}) { CHECK(cudaFree(r)); }
+    const bool ok = err_dq < 2e-2f && err_dk < 2e-2f && err_dv < 2e-2f && err_o < 2e-2f;
+    std::printf("check d%d%s s%d: max relative error o %.2e dq %.2e dk %.2e dv %.2e -> %s\n", d,
+                causal ? " causal" : "", seqlen, err_o, err_dq, err_dk, err_dv, ok ? "OK" : "WRONG");
+    for (float *r : {p, ds, ref[0], ref[1], ref[2], ref[3]}) { CHECK(cudaFree(r)); }
     return ok;
 }
 
@@ -237,10 +241,14 @@ static void run_case(int head_dim, bool causal, int seqlen) {
     params.dq_accum_split_stride = int64_t(heads) * params.dq_accum_head_stride;
     params.num_splits = 1;
 
-    launch(params, false);  // O and the log-sum-exp the backward reads
-    CHECK(cudaDeviceSynchronize());
-    const float ms = time_backward(params, buf, seqlen >= 4096 ? 5 : 20);
-    const double flops = 2.5 * 4.0 * batch * double(seqlen) * seqlen * heads * head_dim / (causal ? 2 : 1);
+    // The forward also leaves O and the log-sum-exp the backward reads.
+    const int reps = seqlen >= 4096 ? 5 : 20;
+    const double fwd_flops = 4.0 * batch * double(seqlen) * seqlen * heads * head_dim / (causal ? 2 : 1);
+    const float fwd_ms = time_pass(params, buf, reps, false);
+    std::printf("| fwd | bf16 | %d | %s | %d | %d | %d | %.3f | %.1f |\n", head_dim, causal ? "True" : "False",
+                seqlen, batch, heads, fwd_ms, fwd_flops / fwd_ms / 1e9);
+    const float ms = time_pass(params, buf, reps, true);
+    const double flops = 2.5 * fwd_flops;
     std::printf("| bwd | bf16 | %d | %s | %d | %d | %d | %.3f | %.1f |\n", head_dim, causal ? "True" : "False",
                 seqlen, batch, heads, ms, flops / ms / 1e9);
     if (seqlen == 1024) { check_backward(buf, seqlen, head_dim, row, params.softmax_scale, causal); }

@@ -10,7 +10,7 @@
 
 #include <cute/tensor.hpp>
 
-#include "bwd_wgmma.h"
+#include "wgmma.h"
 #include "dropout.h"
 #include "flash.h"
 #include "flash_fwd_kernel.h"
@@ -263,7 +263,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     typename Traits::TiledMmaSdP tiled_mma_sdp;
     typename Traits::TiledMmadKV tiled_mma_dkv_sync;
     typename Traits::TiledMmadQ tiled_mma_dq_sync;
-    // dV, dK and dQ run on wgmma where it applies (bwd_wgmma.h), else on mma.sync like S and dP; their
+    // dV, dK and dQ run on wgmma where it applies (wgmma.h), else on mma.sync like S and dP; their
     // accumulators are laid out by the MMA that computes them.
     using Wgmma = BackwardWgmma<Traits>;
     constexpr bool kWgmma = Wgmma::kEnabled;
@@ -537,17 +537,16 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         // dV += P^T dO (the 1 / p_keep of dropout is applied once, at the end), dK += dS^T Q, dQ = dS K.
         Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         if constexpr (kWgmma) {
-            auto view = [](Element *ptr, auto layout) { return make_tensor(make_smem_ptr(ptr), layout); };
             const int buf_offset = buf * size(typename Traits::SmemLayoutQdO{});
             auto thr_dkv = tiled_mma_dkv.get_thread_slice(tidx);
             auto thr_dq = tiled_mma_dq.get_thread_slice(tidx);
-            wgmma_gemm<true>(tiled_mma_dq, thr_dq.partition_fragment_A(view(smem_ds, typename Wgmma::SmemLayoutdS{})),
-                             thr_dq.partition_fragment_B(view(smem_k, typename Wgmma::SmemLayoutKt{})), acc_dq);
-            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(view(smem_p, typename Wgmma::SmemLayoutPdSt{})),
-                              thr_dkv.partition_fragment_B(view(smem_do + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
+            wgmma_gemm<true>(tiled_mma_dq, thr_dq.partition_fragment_A(smem_view(smem_ds, typename Wgmma::SmemLayoutdS{})),
+                             thr_dq.partition_fragment_B(smem_view(smem_k, typename Wgmma::SmemLayoutKt{})), acc_dq);
+            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(smem_view(smem_p, typename Wgmma::SmemLayoutPdSt{})),
+                              thr_dkv.partition_fragment_B(smem_view(smem_do + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
                               acc_dv);
-            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(view(smem_ds, typename Wgmma::SmemLayoutPdSt{})),
-                              thr_dkv.partition_fragment_B(view(smem_q + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
+            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(smem_view(smem_ds, typename Wgmma::SmemLayoutPdSt{})),
+                              thr_dkv.partition_fragment_B(smem_view(smem_q + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
                               acc_dk);
             warpgroup_wait<2>();  // dQ's batch is done: its atomics overlap with the dV and dK products
             warpgroup_fence_operand(acc_dq);

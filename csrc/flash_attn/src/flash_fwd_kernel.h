@@ -2,7 +2,8 @@
 // of one (batch, head) against every key block they may see, with an online softmax.
 //
 // Per key block, from the last to the first: S = Q K^T (tensor cores, K from shared memory),
-// softcap, mask and ALiBi, online softmax, dropout, O += P V (P straight from registers).
+// softcap, mask and ALiBi, online softmax, dropout, O += P V (P straight from registers). On
+// sm90 the two products run on wgmma where the tile allows (wgmma.h), else on mma.sync.
 // cp.async loads V of this block during S = Q K^T and K of the next block during P V.
 #pragma once
 
@@ -15,6 +16,7 @@
 #include "sequence_info.h"
 #include "softmax.h"
 #include "utils.h"
+#include "wgmma.h"
 
 namespace flash {
 
@@ -83,7 +85,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
 
-    extern __shared__ char smem[];
+    extern __shared__ __align__(1024) char smem[];  // 1024: the swizzled tiles as wgmma reads them
     // Heaviest query blocks first (under a causal mask the last rows see the most keys), so that
     // the light ones fill the tail of the grid.
     const int m_block = gridDim.x - 1 - blockIdx.x, bidb = blockIdx.y, bidh = blockIdx.z;
@@ -178,13 +180,18 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         copy_tile(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tKVpKV, rows, even_k && rows >= kBlockN);
     };
 
-    // Shared -> register operands of the two GEMMs.
+    // The two GEMMs: mma.sync with shared -> register operand copies, or wgmma (S from shared
+    // memory, O += P V with P in registers); accumulators are laid out by the MMA that computes them.
+    using Wgmma = ForwardWgmma<Traits>;
+    constexpr bool kWgmma = Wgmma::kEnabled;
     typename Traits::TiledMma tiled_mma;
+    std::conditional_t<kWgmma, typename Wgmma::TiledMmaS, typename Traits::TiledMma> tiled_mma_s;
+    std::conditional_t<kWgmma, typename Wgmma::TiledMmaO, typename Traits::TiledMma> tiled_mma_o;
     auto thr_mma = tiled_mma.get_thread_slice(tidx);
     Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
     Tensor tSrK = thr_mma.partition_fragment_B(sK);
     Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
-    Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
 
     auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
     auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
@@ -197,7 +204,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
 
     // (row, col) inside the tile of each score element this thread holds, as (rows, cols).
-    Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor tScS = tiled_mma_s.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
 
     const AttentionMask mask = AttentionMask::make(params, seq, bidb, bidh);
@@ -223,15 +230,24 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     OnlineSoftmax<kRows> softmax;
 
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        clear(acc_s);
+        Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
         cute::cp_async_wait<0>();
+        if constexpr (kWgmma) { fence_smem_for_wgmma(); }
         __syncthreads();  // K[n] landed; every warp is done reading V[n + 1]
         load_v(n_block);
         cute::cp_async_fence();
 
-        gemm(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
-             smem_thr_copy_Q, smem_thr_copy_K);
+        if constexpr (kWgmma) {
+            auto thr_s = tiled_mma_s.get_thread_slice(tidx);
+            wgmma_gemm<true>(tiled_mma_s, thr_s.partition_fragment_A(smem_view(sQ.data().get(), typename Wgmma::SmemLayoutQ{})),
+                             thr_s.partition_fragment_B(smem_view(sK.data().get(), typename Wgmma::SmemLayoutK{})), acc_s);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(acc_s);
+        } else {
+            clear(acc_s);
+            gemm(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
+                 smem_thr_copy_Q, smem_thr_copy_K);
+        }
 
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
         // Score modifications, in flash-attn's order: softcap, ALiBi, then the mask. Interior
@@ -251,6 +267,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         }
 
         cute::cp_async_wait<0>();
+        if constexpr (kWgmma) { fence_smem_for_wgmma(); }
         __syncthreads();  // V[n] landed; every warp is done reading K[n]
         if (n_block > n_block_min) {
             load_k(n_block - 1);
@@ -270,8 +287,17 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
 
         Tensor rP = convert_type<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
-        gemm<true>(acc_o, tOrP, tOrVt, tOrP, tOsVt, tiled_mma, smem_tiled_copy_V, smem_tiled_copy_V,
-                   smem_thr_copy_V, smem_thr_copy_V);
+        if constexpr (kWgmma) {
+            wgmma_gemm<false, true>(tiled_mma_o, tOrP,
+                                    tiled_mma_o.get_thread_slice(tidx).partition_fragment_B(
+                                        smem_view(sV.data().get(), typename Wgmma::SmemLayoutVt{})),
+                                    acc_o);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(acc_o);
+        } else {
+            gemm<true>(acc_o, tOrP, tOrVt, tOrP, tOsVt, tiled_mma, smem_tiled_copy_V, smem_tiled_copy_V,
+                       smem_thr_copy_V, smem_thr_copy_V);
+        }
     }
 
     // Epilogue: normalise, stage O through shared memory for coalesced 16-byte stores, write lse.
@@ -281,7 +307,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor rO = convert_type<Element>(acc_o);
     // Q's shared memory is free: its last reader (S = Q K^T) finished before the loop's last barrier.
     Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutO{});
-    auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomAcc{}, tiled_mma);
+    auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomAcc{}, tiled_mma_o);
     auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
     Tensor taccOrO = smem_thr_copy_O.retile_S(rO);
     Tensor taccOsO = smem_thr_copy_O.partition_D(sO);

@@ -40,22 +40,37 @@ __device__ __forceinline__ float quad_allreduce(float x, Op op) {
 struct MaxOp { __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); } };
 struct SumOp { __device__ __forceinline__ float operator()(float a, float b) const { return a + b; } };
 
-// An m16n8 accumulator fragment ((2 cols, 2 rows), MMA_M, MMA_N) seen as a matrix
-// (rows = (2, MMA_M), cols = (2, MMA_N)) so that row-wise softmax code can index it.
+// An accumulator fragment seen as a matrix (rows = (2, MMA_M), cols = (2, column groups)) so that
+// row-wise softmax, mask and dropout code can index it: the m16n8 layout of mma.sync, ((2 cols,
+// 2 rows), MMA_M, MMA_N), or wgmma's ((2 cols, 2 rows, N / 8 groups of 8 columns), MMA_M, MMA_N).
+// Either way a thread holds rows r and r + 8 of each 16-row slice and column pairs 8 apart.
 template <typename Layout>
 CUTE_HOST_DEVICE constexpr auto acc_as_rowcol(Layout acc) {
-    static_assert(decltype(size<0>(acc))::value == 4 && decltype(rank(acc))::value == 3);
-    auto l = logical_divide(acc, Shape<_2>{});  // ((2 cols, 2 rows), MMA_M, MMA_N)
-    return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+    static_assert(decltype(rank(acc))::value == 3);
+    if constexpr (decltype(rank<0>(acc))::value == 3) {  // wgmma
+        return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                           make_layout(get<0, 0>(acc), make_layout(get<0, 2>(acc), get<2>(acc))));
+    } else {
+        static_assert(decltype(size<0>(acc))::value == 4);
+        auto l = logical_divide(acc, Shape<_2>{});  // ((2 cols, 2 rows), MMA_M, MMA_N)
+        return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+    }
 }
 
-// The same accumulator seen as the A operand of an m16n8k16 MMA: two n8 atoms side by side
-// hold exactly the eight registers of one k16 A fragment.
+// The same accumulator seen as the A operand of a k16 MMA: two groups of 8 columns side by side
+// hold exactly the eight registers of one k16 A fragment (mma.sync and wgmma alike).
 template <typename Layout>
 CUTE_HOST_DEVICE constexpr auto acc_as_A_operand(Layout acc) {
-    static_assert(decltype(size<0>(acc))::value == 4 && decltype(rank(acc))::value == 3);
-    auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N/2))
-    return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+    static_assert(decltype(rank(acc))::value == 3);
+    if constexpr (decltype(rank<0>(acc))::value == 3) {  // wgmma: ((2, 2, N/8), MMA_M, MMA_N)
+        auto groups = logical_divide(get<0, 2>(acc), _2{});  // (2, N/16)
+        return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0>(groups)), get<1>(acc),
+                           make_layout(get<1>(groups), get<2>(acc)));
+    } else {
+        static_assert(decltype(size<0>(acc))::value == 4);
+        auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N/2))
+        return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+    }
 }
 
 // Converts a register tensor element-wise (vectorised: pairs become one cvt instruction).

@@ -1,0 +1,124 @@
+// Hopper's warpgroup MMA (wgmma) for the attention kernels: the tensor cores read shared-memory
+// operands straight through descriptors, so these GEMMs issue no ldmatrix and keep no operand
+// fragments in registers (on the mma.sync path ldmatrix traffic and the MIO queue it fills are
+// what limits the kernels on the H200).
+//
+// The operands are the very tiles the mma.sync path uses (Q, K, V, dO, P, dS), seen through
+// address-swizzled layouts as wgmma descriptors describe them: 128-byte rows swizzled with
+// Swizzle<3,4,3> on the byte address equal our Swizzle<3,3,3> on the element offset because every
+// tile starts 1024-byte aligned. Only tiles with 64-element (128-byte) row chunks qualify.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernel_traits.h"
+
+// wgmma exists in the sm_90a device pass only; every other pass takes the mma.sync path.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLASH_WGMMA_ARCH 1
+#else
+#define FLASH_WGMMA_ARCH 0
+#endif
+
+namespace flash {
+
+using namespace cute;
+
+// Views of a tile stored (rows, cols) in 64-column chunks (chunk after chunk, rows within a
+// chunk): as (cols, rows) with cols contiguous (an M- or N-major operand over cols that contracts
+// rows), or as (rows, cols) (a K-major operand that contracts cols).
+template <typename Element, int kRows, int kCols>
+using SmemColsMajor = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                             Shape<Int<kCols>, Int<kRows>>{}, Step<_2, _1>{}));
+template <typename Element, int kRows, int kCols>
+using SmemKMajor = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<Int<kRows>, Int<kCols>>{}));
+
+template <typename Element, typename Layout>
+__device__ __forceinline__ auto smem_view(Element *ptr, Layout layout) {
+    return make_tensor(make_smem_ptr(ptr), layout);
+}
+
+// Makes shared-memory writes of the generic proxy (st.shared, cp.async) visible to wgmma, which
+// reads through the async proxy; the writers then meet the readers at a barrier.
+__device__ __forceinline__ void fence_smem_for_wgmma() {
+#if FLASH_WGMMA_ARCH
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Issues acc (+)= A B over every k-slice as one wgmma batch (not waited for). A comes from shared
+// memory (descriptors) or, with A_in_regs, registers. Zero_init: the first slice overwrites acc.
+template <bool Zero_init, bool A_in_regs = false, typename TiledMma, typename TA, typename TB, typename Acc>
+__device__ __forceinline__ void wgmma_gemm(TiledMma &tiled_mma, TA &&tCrA, TB const &tCrB, Acc &acc) {
+    if constexpr (A_in_regs) { warpgroup_fence_operand(tCrA); }
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    if constexpr (Zero_init) { tiled_mma.accumulate_ = GMMA::ScaleOut::Zero; }
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+        cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc);
+    if constexpr (A_in_regs) { warpgroup_fence_operand(tCrA); }
+}
+
+// The forward: S = Q K^T (both from shared memory) and O += P V (P from registers), one warpgroup
+// per 64 query rows.
+template <typename Traits>
+struct ForwardWgmma {
+    using Element = typename Traits::Element;
+    static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    static constexpr int kWarpgroups = Traits::kNWarps / 4;
+
+    static constexpr bool kApplies = Traits::kNWarps % 4 == 0 && kBlockM % (64 * kWarpgroups) == 0 &&
+                                     kBlockN % 16 == 0 && (kHeadDim == 64 || kHeadDim == 128) &&
+                                     Traits::kBlockKSmem == 64;
+    static constexpr bool kEnabled = kApplies && FLASH_WGMMA_ARCH;
+
+    using TiledMmaS = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+        Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
+    using TiledMmaO = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                             GMMA::Major::MN>(),
+        Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
+
+    using SmemLayoutQ = SmemKMajor<Element, kBlockM, kHeadDim>;      // A of S (queries x head dim)
+    using SmemLayoutK = SmemKMajor<Element, kBlockN, kHeadDim>;      // B of S (keys x head dim)
+    using SmemLayoutVt = SmemColsMajor<Element, kBlockN, kHeadDim>;  // B of O (head dim x keys)
+};
+
+// The backward's dV, dK and dQ products (S and dP stay on mma.sync: their element-wise work is
+// laid out for it).
+template <typename Traits>
+struct BackwardWgmma {
+    using Element = typename Traits::Element;
+    static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+
+    // Two warpgroups, key blocks of 128, head dims 64 and 128 (the rest keep mma.sync).
+    static constexpr bool kApplies = Traits::kNWarps == 8 && kBlockN == 128 && kBlockM % 64 == 0 &&
+                                     (kHeadDim == 64 || kHeadDim == 128) && Traits::kBlockKSmem == 64 &&
+                                     Traits::kBlockNSmemPdS == 64;
+    static constexpr bool kEnabled = kApplies && FLASH_WGMMA_ARCH;
+
+    // dV, dK (kBlockN x head dim): one warpgroup per 64 keys.
+    using TiledMmadKV = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, _16>, GMMA::Major::MN,
+                             GMMA::Major::MN>(),
+        Layout<Shape<Int<kBlockN / 64>, _1, _1>>{}));
+    // dQ (kBlockM x head dim): the warpgroups split 128 rows, or the columns of 64 rows.
+    static constexpr int kWarpgroupsMdQ = kBlockM / 64 >= 2 ? 2 : 1, kWarpgroupsNdQ = 2 / kWarpgroupsMdQ;
+    using TiledMmadQ = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kWarpgroupsNdQ>, _16>,
+                             GMMA::Major::K, GMMA::Major::MN>(),
+        Layout<Shape<Int<kWarpgroupsMdQ>, Int<kWarpgroupsNdQ>, _1>>{}));
+
+    using SmemLayoutPdSt = SmemColsMajor<Element, kBlockM, kBlockN>;   // P^T, dS^T: A of dV, dK
+    using SmemLayoutQdOt = SmemColsMajor<Element, kBlockM, kHeadDim>;  // dO, Q: B of dV, dK
+    using SmemLayoutdS = SmemKMajor<Element, kBlockM, kBlockN>;        // dS: A of dQ
+    using SmemLayoutKt = SmemColsMajor<Element, kBlockN, kHeadDim>;    // K: B of dQ
+};
+
+}  // namespace flash
