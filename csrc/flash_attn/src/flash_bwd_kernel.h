@@ -267,8 +267,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     // accumulators are laid out by the MMA that computes them.
     using Wgmma = BackwardWgmma<Traits>;
     constexpr bool kWgmma = Wgmma::kEnabled;
-    std::conditional_t<kWgmma, typename Wgmma::TiledMmadKV, typename Traits::TiledMmadKV> tiled_mma_dkv;
-    std::conditional_t<kWgmma, typename Wgmma::TiledMmadQ, typename Traits::TiledMmadQ> tiled_mma_dq;
+    typename Wgmma::TiledMmadKV tiled_mma_dkv;
+    typename Wgmma::TiledMmadQ tiled_mma_dq;
     auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(tidx);
     auto thr_mma_dkv = tiled_mma_dkv_sync.get_thread_slice(tidx);
     auto thr_mma_dq = tiled_mma_dq_sync.get_thread_slice(tidx);

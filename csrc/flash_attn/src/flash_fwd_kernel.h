@@ -185,8 +185,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     using Wgmma = ForwardWgmma<Traits>;
     constexpr bool kWgmma = Wgmma::kEnabled;
     typename Traits::TiledMma tiled_mma;
-    std::conditional_t<kWgmma, typename Wgmma::TiledMmaS, typename Traits::TiledMma> tiled_mma_s;
-    std::conditional_t<kWgmma, typename Wgmma::TiledMmaO, typename Traits::TiledMma> tiled_mma_o;
+    typename Wgmma::TiledMmaS tiled_mma_s;
+    typename Wgmma::TiledMmaO tiled_mma_o;
     auto thr_mma = tiled_mma.get_thread_slice(tidx);
     Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
     Tensor tSrK = thr_mma.partition_fragment_B(sK);

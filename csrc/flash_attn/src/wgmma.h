@@ -64,18 +64,33 @@ __device__ __forceinline__ void wgmma_gemm(TiledMma &tiled_mma, TA &&tCrA, TB co
     if constexpr (A_in_regs) { warpgroup_fence_operand(tCrA); }
 }
 
-// The forward: S = Q K^T (both from shared memory) and O += P V (P from registers), one warpgroup
-// per 64 query rows.
+// Which tiles wgmma takes: 64-element (128-byte) row chunks everywhere, whole warpgroups; the
+// rest keep mma.sync. A tile that qualifies still takes mma.sync outside the sm_90a pass.
 template <typename Traits>
+constexpr bool kForwardWgmmaApplies = Traits::kNWarps % 4 == 0 && Traits::kBlockM % (16 * Traits::kNWarps) == 0 &&
+                                      Traits::kBlockN % 16 == 0 &&
+                                      (Traits::kHeadDim == 64 || Traits::kHeadDim == 128) &&
+                                      Traits::kBlockKSmem == 64;
+template <typename Traits>
+constexpr bool kBackwardWgmmaApplies = Traits::kNWarps == 8 && Traits::kBlockN == 128 && Traits::kBlockM % 64 == 0 &&
+                                       (Traits::kHeadDim == 64 || Traits::kHeadDim == 128) &&
+                                       Traits::kBlockKSmem == 64 && Traits::kBlockNSmemPdS == 64;
+
+// The forward: S = Q K^T (both from shared memory) and O += P V (P from registers), one warpgroup
+// per 64 query rows. Where wgmma does not apply, the MMAs are the mma.sync ones.
+template <typename Traits, bool = kForwardWgmmaApplies<Traits>>
 struct ForwardWgmma {
+    static constexpr bool kEnabled = false;
+    using TiledMmaS = typename Traits::TiledMma;
+    using TiledMmaO = typename Traits::TiledMma;
+};
+
+template <typename Traits>
+struct ForwardWgmma<Traits, true> {
     using Element = typename Traits::Element;
     static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     static constexpr int kWarpgroups = Traits::kNWarps / 4;
-
-    static constexpr bool kApplies = Traits::kNWarps % 4 == 0 && kBlockM % (64 * kWarpgroups) == 0 &&
-                                     kBlockN % 16 == 0 && (kHeadDim == 64 || kHeadDim == 128) &&
-                                     Traits::kBlockKSmem == 64;
-    static constexpr bool kEnabled = kApplies && FLASH_WGMMA_ARCH;
+    static constexpr bool kEnabled = FLASH_WGMMA_ARCH;
 
     using TiledMmaS = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
@@ -91,17 +106,19 @@ struct ForwardWgmma {
 };
 
 // The backward's dV, dK and dQ products (S and dP stay on mma.sync: their element-wise work is
-// laid out for it).
-template <typename Traits>
+// laid out for it). Where wgmma does not apply, the MMAs are the mma.sync ones.
+template <typename Traits, bool = kBackwardWgmmaApplies<Traits>>
 struct BackwardWgmma {
+    static constexpr bool kEnabled = false;
+    using TiledMmadKV = typename Traits::TiledMmadKV;
+    using TiledMmadQ = typename Traits::TiledMmadQ;
+};
+
+template <typename Traits>
+struct BackwardWgmma<Traits, true> {
     using Element = typename Traits::Element;
     static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-
-    // Two warpgroups, key blocks of 128, head dims 64 and 128 (the rest keep mma.sync).
-    static constexpr bool kApplies = Traits::kNWarps == 8 && kBlockN == 128 && kBlockM % 64 == 0 &&
-                                     (kHeadDim == 64 || kHeadDim == 128) && Traits::kBlockKSmem == 64 &&
-                                     Traits::kBlockNSmemPdS == 64;
-    static constexpr bool kEnabled = kApplies && FLASH_WGMMA_ARCH;
+    static constexpr bool kEnabled = FLASH_WGMMA_ARCH;
 
     // dV, dK (kBlockN x head dim): one warpgroup per 64 keys.
     using TiledMmadKV = decltype(make_tiled_mma(
