@@ -173,8 +173,8 @@ static bool check_backward(const Buffers &buf, int seqlen, int d, int64_t row, f
     CHECK(cudaMalloc(&p, size_t(seqlen) * seqlen * sizeof(float)));
     CHECK(cudaMalloc(&ds, size_t(seqlen) * seqlen * sizeof(float)));
     for (float *&r : ref) { CHECK(cudaMalloc(&r, size_t(seqlen) * d * sizeof(float))); }
-    reference_rows<<<(seqlen + 127) / 128, 128>>>(buf.q, buf.k, buf.v, buf.dout, seqlen, d, row, scale, causal, p, ds, ref[0],
-                                                  ref[3]);
+    reference_rows<<<(seqlen + 127) / 128, 128>>>(buf.q, buf.k, buf.v, buf.dout, seqlen, d, row, scale, causal, p,
+                                                  ds, ref[0], ref[3]);
     reference_cols<<<(seqlen + 127) / 128, 128>>>(buf.q, buf.dout, seqlen, d, row, scale, p, ds, ref[1], ref[2]);
     CHECK(cudaDeviceSynchronize());
     const float err_dq = relative_error(buf.dq, ref[0], seqlen, d, row);

@@ -534,20 +534,22 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         if constexpr (kWgmma) { fence_smem_for_wgmma(); }
         __syncthreads();  // P and dS complete in shared memory
 
-        // dV += P^T dO (the 1 / p_keep of dropout is applied once, at the end), dK += dS^T Q, dQ = dS K.
+        // dV += P^T dO (the 1 / p_keep of dropout is applied once, at the end), dK += dS^T Q,
+        // dQ = dS K.
         Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         if constexpr (kWgmma) {
             const int buf_offset = buf * size(typename Traits::SmemLayoutQdO{});
             auto thr_dkv = tiled_mma_dkv.get_thread_slice(tidx);
             auto thr_dq = tiled_mma_dq.get_thread_slice(tidx);
-            wgmma_gemm<true>(tiled_mma_dq, thr_dq.partition_fragment_A(smem_view(smem_ds, typename Wgmma::SmemLayoutdS{})),
+            using LayoutPdSt = typename Wgmma::SmemLayoutPdSt;
+            using LayoutQdOt = typename Wgmma::SmemLayoutQdOt;
+            wgmma_gemm<true>(tiled_mma_dq,
+                             thr_dq.partition_fragment_A(smem_view(smem_ds, typename Wgmma::SmemLayoutdS{})),
                              thr_dq.partition_fragment_B(smem_view(smem_k, typename Wgmma::SmemLayoutKt{})), acc_dq);
-            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(smem_view(smem_p, typename Wgmma::SmemLayoutPdSt{})),
-                              thr_dkv.partition_fragment_B(smem_view(smem_do + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
-                              acc_dv);
-            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(smem_view(smem_ds, typename Wgmma::SmemLayoutPdSt{})),
-                              thr_dkv.partition_fragment_B(smem_view(smem_q + buf_offset, typename Wgmma::SmemLayoutQdOt{})),
-                              acc_dk);
+            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(smem_view(smem_p, LayoutPdSt{})),
+                              thr_dkv.partition_fragment_B(smem_view(smem_do + buf_offset, LayoutQdOt{})), acc_dv);
+            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(smem_view(smem_ds, LayoutPdSt{})),
+                              thr_dkv.partition_fragment_B(smem_view(smem_q + buf_offset, LayoutQdOt{})), acc_dk);
             warpgroup_wait<2>();  // dQ's batch is done: its atomics overlap with the dV and dK products
             warpgroup_fence_operand(acc_dq);
             add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim);

@@ -204,7 +204,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
 
     // (row, col) inside the tile of each score element this thread holds, as (rows, cols).
-    Tensor tScS = tiled_mma_s.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor tScS =
+        tiled_mma_s.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
 
     const AttentionMask mask = AttentionMask::make(params, seq, bidb, bidh);
@@ -239,8 +240,10 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
 
         if constexpr (kWgmma) {
             auto thr_s = tiled_mma_s.get_thread_slice(tidx);
-            wgmma_gemm<true>(tiled_mma_s, thr_s.partition_fragment_A(smem_view(sQ.data().get(), typename Wgmma::SmemLayoutQ{})),
-                             thr_s.partition_fragment_B(smem_view(sK.data().get(), typename Wgmma::SmemLayoutK{})), acc_s);
+            wgmma_gemm<true>(tiled_mma_s,
+                             thr_s.partition_fragment_A(smem_view(sQ.data().get(), typename Wgmma::SmemLayoutQ{})),
+                             thr_s.partition_fragment_B(smem_view(sK.data().get(), typename Wgmma::SmemLayoutK{})),
+                             acc_s);
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_s);
         } else {
