@@ -5,6 +5,9 @@
 // - in the dQ and dK/dV accumulators, elements (i, i + 1) for even i are adjacent columns of one
 //   row starting at an even column (dQ is added to dq_accum in such pairs, and dK/dV go to
 //   shared memory in them);
+// - the same for the Hopper (wgmma) accumulators where those paths apply, the forward's P read as
+//   wgmma's register A operand element for element, and the wgmma views of the shared-memory tiles
+//   (address-swizzled) landing on the very bytes the mma.sync path uses;
 // - Philox4x32-10 against the Random123 known-answer vectors.
 // Prints "OK" and exits 0, or prints the first mismatch and exits 1.
 #include <cstdio>
@@ -90,6 +93,82 @@ void check_column_pairs(const char *name, int threads) {
     }
 }
 
+// The accumulator of S, re-read through acc_as_A_operand, is the A operand of O += P V element for
+// element (P never leaves the registers).
+template <typename TiledMmaS, typename TiledMmaO, int kM, int kN>
+void check_p_as_a_operand(const char *name, int threads) {
+    for (int tid = 0; tid < threads; ++tid) {
+        Tensor c = TiledMmaS{}.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
+        Tensor as_a = make_tensor(c.data(), flash::acc_as_A_operand(c.layout()));
+        Tensor a = TiledMmaO{}.get_thread_slice(tid).partition_A(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
+        EXPECT(size(as_a) == size(a), "%s: %d vs %d elements", name, int(size(as_a)), int(size(a)));
+        for (int i = 0; i < int(size(a)); ++i) {
+            EXPECT(as_a(i) == a(i), "%s: tid %d element %d at (%d, %d), A operand wants (%d, %d)", name, tid, i,
+                   int(get<0>(as_a(i))), int(get<1>(as_a(i))), int(get<0>(a(i))), int(get<1>(a(i))));
+        }
+    }
+}
+
+// A wgmma view (a swizzle applied to byte addresses of a 1024-byte aligned tile) addresses the same
+// byte as our layout (a swizzle of element offsets) for every (row, col) of a (kRows, kCols) tile;
+// Transposed: the view is indexed (col, row).
+template <typename Element, typename Ours, typename View, bool Transposed, int kRows, int kCols>
+void check_smem_view(const char *name) {
+    Ours ours;
+    View view;
+    auto swizzle = view.layout_a();
+    auto inner = view.layout_b();
+    for (int r = 0; r < kRows; ++r) {
+        for (int c = 0; c < kCols; ++c) {
+            const int ours_byte = int(ours(r, c)) * int(sizeof(Element));
+            const int view_byte = int(swizzle(int(Transposed ? inner(c, r) : inner(r, c)) * int(sizeof(Element))));
+            EXPECT(ours_byte == view_byte, "%s: (%d, %d) at byte %d, wgmma view at %d", name, r, c, ours_byte,
+                   view_byte);
+        }
+    }
+}
+
+template <typename Fwd, typename FwdDropout, typename Bwd>
+void check_wgmma(int head_dim) {
+    using Element = typename Fwd::Element;
+    char name[64];
+    if constexpr (flash::kForwardWgmmaApplies<Fwd>) {
+        using W = flash::ForwardWgmma<Fwd>;
+        std::snprintf(name, sizeof(name), "forward wgmma hdim%d", head_dim);
+        check_score_tile<typename W::TiledMmaS, Fwd::kBlockM, Fwd::kBlockN>(name, Fwd::kNThreads, true);
+        check_p_as_a_operand<typename W::TiledMmaS, typename W::TiledMmaO, Fwd::kBlockM, Fwd::kBlockN>(
+            name, Fwd::kNThreads);
+        check_smem_view<Element, typename Fwd::SmemLayoutQ, typename W::SmemLayoutQ, false, Fwd::kBlockM,
+                        Fwd::kHeadDim>(name);
+        check_smem_view<Element, typename Fwd::SmemLayoutKV, typename W::SmemLayoutK, false, Fwd::kBlockN,
+                        Fwd::kHeadDim>(name);
+        check_smem_view<Element, typename Fwd::SmemLayoutKV, typename W::SmemLayoutVt, true, Fwd::kBlockN,
+                        Fwd::kHeadDim>(name);
+    }
+    if constexpr (flash::kForwardWgmmaApplies<FwdDropout>) {
+        using W = flash::ForwardWgmma<FwdDropout>;
+        std::snprintf(name, sizeof(name), "forward+dropout wgmma hdim%d", head_dim);
+        check_score_tile<typename W::TiledMmaS, FwdDropout::kBlockM, FwdDropout::kBlockN>(
+            name, FwdDropout::kNThreads, true);
+        check_p_as_a_operand<typename W::TiledMmaS, typename W::TiledMmaO, FwdDropout::kBlockM,
+                             FwdDropout::kBlockN>(name, FwdDropout::kNThreads);
+    }
+    if constexpr (flash::kBackwardWgmmaApplies<Bwd>) {
+        using W = flash::BackwardWgmma<Bwd>;
+        std::snprintf(name, sizeof(name), "backward wgmma hdim%d", head_dim);
+        check_column_pairs<typename W::TiledMmadQ, Bwd::kBlockM, Bwd::kHeadDim>(name, Bwd::kNThreads);
+        check_column_pairs<typename W::TiledMmadKV, Bwd::kBlockN, Bwd::kHeadDim>(name, Bwd::kNThreads);
+        check_smem_view<Element, typename Bwd::SmemLayoutPdS, typename W::SmemLayoutPdSt, true, Bwd::kBlockM,
+                        Bwd::kBlockN>(name);
+        check_smem_view<Element, typename Bwd::SmemLayoutPdS, typename W::SmemLayoutdS, false, Bwd::kBlockM,
+                        Bwd::kBlockN>(name);
+        check_smem_view<Element, typename Bwd::SmemLayoutQdO, typename W::SmemLayoutQdOt, true, Bwd::kBlockM,
+                        Bwd::kHeadDim>(name);
+        check_smem_view<Element, typename Bwd::SmemLayoutKV, typename W::SmemLayoutKt, true, Bwd::kBlockN,
+                        Bwd::kHeadDim>(name);
+    }
+}
+
 template <int kHeadDim>
 void check_head_dim() {
     using Element = cutlass::bfloat16_t;
@@ -115,6 +194,10 @@ void check_head_dim() {
     std::snprintf(name, sizeof(name), "backward dK/dV hdim%d", kHeadDim);
     check_column_pairs<typename Bwd::TiledMmadKV, Bwd::kBlockN, kHeadDim>(name, Bwd::kNThreads);
     EXPECT(Fwd::kSmemSize <= 227 * 1024, "forward hdim%d needs %d bytes of shared memory", kHeadDim, Fwd::kSmemSize);
+    std::snprintf(name, sizeof(name), "forward P hdim%d", kHeadDim);
+    check_p_as_a_operand<typename Fwd::TiledMma, typename Fwd::TiledMma, Fwd::kBlockM, Fwd::kBlockN>(name,
+                                                                                                    Fwd::kNThreads);
+    check_wgmma<Fwd, FwdDropout, Bwd>(kHeadDim);
 }
 
 void check_philox() {
