@@ -11,11 +11,10 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from _common import time_ms  # noqa: E402
+from benchmark_fused_dense import PlainMLP  # noqa: E402  (the peer the benchmark times)
 
 import flash_attn.ops.fused_dense as fd  # noqa: E402
 from flash_attn.ops.fused_dense import FusedMLP  # noqa: E402
@@ -23,15 +22,6 @@ from flash_attn.ops.fused_dense import FusedMLP  # noqa: E402
 SHAPES = [(8192, 1024, 4096), (16384, 1024, 4096), (8192, 4096, 11008)]  # (tokens, d, hidden)
 HEURISTICS = ["auto", -1, 0, (-1, -1, -1), (0, 0, -1), (0, -1, -1), (-1, 0, -1), (4, 4, -1)]
 PROFILED_SHAPE = (8192, 1024, 4096)
-
-
-class PlainMLP(nn.Module):
-    def __init__(self, d, hidden, **kw):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, hidden, **kw), nn.Linear(hidden, d, **kw)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 def step(module, x, grad):
