@@ -6,10 +6,19 @@ sums of the per-sequence lengths, b + 1 entries), the layout that `flash_attn_va
 
 The gather and scatter are autograd Functions that move rows by index: neither direction builds a
 dense (b*s, ...) mask product, so backward costs O(total) work plus one zero-filled buffer.
+Indices may be int32 or int64 (HF transformers hands int32 ones for single-token decoding).
 """
 
 import torch
 import torch.nn.functional as F
+
+
+def _as_index(indices):
+    """int64 view of an int32 or int64 index tensor: index_copy_ takes only int64, and one cast
+    here keeps every Function below agnostic of what the caller handed."""
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"flash_attn.bert_padding: indices must be int32 or int64, got {indices.dtype}")
+    return indices.long()
 
 
 class IndexFirstAxis(torch.autograd.Function):
@@ -17,6 +26,7 @@ class IndexFirstAxis(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, indices):
+        indices = _as_index(indices)
         ctx.save_for_backward(indices)
         ctx.first_axis_dim = input.shape[0]
         return input.index_select(0, indices)
@@ -38,6 +48,7 @@ class IndexPutFirstAxis(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values, indices, first_axis_dim):
+        indices = _as_index(indices)
         ctx.save_for_backward(indices)
         output = values.new_zeros((first_axis_dim, *values.shape[1:]))
         output.index_copy_(0, indices, values)
@@ -61,6 +72,7 @@ class IndexFirstAxisResidual(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, indices):
+        indices = _as_index(indices)
         ctx.save_for_backward(indices)
         return input.index_select(0, indices), input.detach()
 

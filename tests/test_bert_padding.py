@@ -130,3 +130,45 @@ def test_unpad_input_for_concatenated_sequences():
     assert max_seqlen == 3
     torch.testing.assert_close(x_unpad[:, 0], indices.float(), rtol=0, atol=0)
     torch.testing.assert_close(pad_input(x_unpad, indices, 2, 6)[1], x[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_every_function_takes_int32_and_int64_indices(index_dtype):
+    """HF transformers hands int32 indices (cu_seqlens[:-1] when decoding one token): each
+    Function gives the int64 result, forward and backward."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    indices = torch.tensor([6, 0, 3], dtype=index_dtype)
+    reference = indices.long()
+
+    gathered = index_first_axis(x, indices)
+    torch.testing.assert_close(gathered, x.detach()[reference], rtol=0, atol=0)
+    (gathered * torch.arange(1.0, 4.0, dtype=torch.float64)[:, None]).sum().backward()
+    expected = torch.zeros(7, 3, dtype=torch.float64)
+    expected[reference] = torch.arange(1.0, 4.0, dtype=torch.float64)[:, None].expand(3, 3)
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+    assert torch.autograd.gradcheck(index_first_axis, (x, indices))
+
+    values = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    scattered = index_put_first_axis(values, indices, 7)
+    torch.testing.assert_close(scattered[reference], values.detach(), rtol=0, atol=0)
+    assert scattered[[1, 2, 4, 5]].eq(0).all()
+    assert torch.autograd.gradcheck(lambda v: index_put_first_axis(v, indices, 7), (values,))
+
+    assert torch.autograd.gradcheck(
+        lambda t: tuple(o * w for o, w in zip(IndexFirstAxisResidual.apply(t, indices), (1.5, -0.5))),
+        (x,))
+
+    # pad_input / unpad_input round trip with the caller's index dtype.
+    hidden = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
+    mask = _prefix_mask([3, 2], 4)
+    unpadded, idx64, *_ = unpad_input(hidden, mask)
+    padded = pad_input(unpadded, idx64.to(index_dtype), 2, 4)
+    torch.testing.assert_close(padded, hidden.detach() * mask[..., None], rtol=0, atol=0)
+    padded.sum().backward()
+    torch.testing.assert_close(hidden.grad, mask[..., None].double().expand(2, 4, 5), rtol=0, atol=0)
+
+
+def test_indices_of_another_dtype_are_rejected_by_name():
+    with pytest.raises(TypeError, match="indices must be int32 or int64"):
+        index_first_axis(torch.randn(4, 2), torch.tensor([0.0, 1.0]))
