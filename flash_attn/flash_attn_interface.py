@@ -2,8 +2,16 @@
 
 Data flows one way: a public function normalises its arguments and calls an autograd Function,
 which calls a `torch.ops.flash_attn.*` custom op, which calls the `flash_attn_2_cuda` extension.
+The module-level names of flash-attn 2.8's interface (the private ops `_flash_attn_forward` & co.
+with their signatures, `_wrapped_*`, `maybe_contiguous`, `round_multiple`, `_get_block_size_n`,
+`USE_TRITON_ROCM`, `flash_attn_gpu`) are here with the same meaning, for code that imports them.
+
+Set FLASH_ATTN_CHECK_INPUTS=1 to validate the varlen offsets (cu_seqlens_q/k against the token
+counts, max_seqlen_q/k and block_table) on the host before every varlen call. It costs a device
+sync per call, so it is off by default; without it inconsistent offsets are not detected.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -13,9 +21,35 @@ from flash_attn._native import load_extension
 
 MAX_HEAD_DIM = 256
 
+# flash-attn 2.8 can run on ROCm through a Triton backend chosen by this flag; this package has
+# only the CUDA kernels, so it is always False here.
+USE_TRITON_ROCM = False
+
 
 def _cuda_ext():
     return load_extension("flash_attn_2_cuda")
+
+
+def __getattr__(name):
+    # flash-attn binds the extension at import as `flash_attn_gpu`; here it loads on first use, so
+    # that importing this module never fails on a machine where it is not built.
+    if name == "flash_attn_gpu":
+        return _cuda_ext()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def maybe_contiguous(x):
+    """x with a contiguous last dimension (what the kernels read), or None."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def round_multiple(x, m):
+    return (x + m - 1) // m * m
+
+
+# flash-attn 2.8's names for the torch.library decorators its ops are registered with.
+_torch_custom_op_wrapper = torch.library.custom_op
+_torch_register_fake_wrapper = torch.library.register_fake
 
 
 # ----------------------------------------------------------------------------------------------
@@ -28,9 +62,10 @@ def _fail(name, expected, got):
 
 
 def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None,
-                          alibi_slopes=None, block_table=None, dropout_p=0.0,
-                          window_size=(-1, -1), softcap=0.0):
-    """Checks shapes, dtypes and devices; the binding repeats the checks it needs for direct calls."""
+                          max_seqlen_q=0, max_seqlen_k=0, alibi_slopes=None, block_table=None,
+                          dropout_p=0.0, window_size=(-1, -1), softcap=0.0):
+    """Checks every argument of the public functions before any kernel runs (ValueError naming
+    the argument); the binding repeats the checks it needs for direct calls."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             _fail(name, "a torch.Tensor", type(t).__name__)
@@ -73,12 +108,19 @@ def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=No
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             _fail("cu_seqlens_k", f"of length {cu_seqlens_q.numel()} like cu_seqlens_q",
                   cu_seqlens_k.numel())
+    if varlen:
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(value, bool) or int(value) != value or value < 0:
+                _fail(name, "an int >= 0", value)
     if block_table is not None:
         if block_table.dtype != torch.int32 or block_table.dim() != 2:
             _fail("block_table", "a 2-D torch.int32 tensor (batch, max_blocks_per_seq)",
                   f"{block_table.dtype} of shape {tuple(block_table.shape)}")
         if k.shape[1] % 256 != 0:
             _fail("k", "paged with a page_block_size divisible by 256", k.shape[1])
+        if cu_seqlens_k is not None and block_table.shape[0] != cu_seqlens_k.numel() - 1:
+            _fail("block_table", f"of {cu_seqlens_k.numel() - 1} rows (one per sequence)",
+                  block_table.shape[0])
     if alibi_slopes is not None:
         if alibi_slopes.dtype != torch.float32:
             _fail("alibi_slopes", "float32", alibi_slopes.dtype)
@@ -87,12 +129,16 @@ def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=No
                   tuple(alibi_slopes.shape))
     if not 0.0 <= dropout_p < 1.0:
         _fail("dropout_p", "in [0, 1)", dropout_p)
-    if softcap < 0.0:
+    if not softcap >= 0.0:  # also rejects NaN
         _fail("softcap", ">= 0", softcap)
-    if len(window_size) != 2:
-        _fail("window_size", "a pair (left, right)", window_size)
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or int(w) != w or w < -1 for w in window_size)):
+        _fail("window_size", "a pair (left, right) of ints >= -1 (-1: unbounded)", window_size)
     tensors = [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                ("alibi_slopes", alibi_slopes), ("block_table", block_table)]
+    if varlen and _host_checks_enabled():
+        _check_varlen_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              block_table)
     if not q.is_cuda:
         _fail("q", "on a CUDA device", q.device)
     for name, t in tensors:
@@ -100,13 +146,51 @@ def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=No
             _fail(name, f"on the same device as q ({q.device})", t.device)
 
 
+def _host_checks_enabled():
+    return os.environ.get("FLASH_ATTN_CHECK_INPUTS", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_varlen_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          block_table):
+    """FLASH_ATTN_CHECK_INPUTS=1: the offsets agree with the tensors (one host copy of each)."""
+    paged = block_table is not None
+    lengths = {}
+    for name, cu, total, max_seqlen, max_name in (
+            ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
+            ("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], max_seqlen_k,
+             "max_seqlen_k")):
+        offsets = cu.tolist()
+        if offsets[0] != 0:
+            _fail(name, "offsets starting at 0", offsets[:4])
+        lengths[name] = [end - start for start, end in zip(offsets, offsets[1:])]
+        if any(n < 0 for n in lengths[name]):
+            _fail(name, "non-decreasing offsets", offsets)
+        if total is not None and offsets[-1] > total:
+            _fail(name, f"offsets within the {total} tokens of its tensor",
+                  f"last offset {offsets[-1]}")
+        longest = max(lengths[name], default=0)
+        if longest > max_seqlen:
+            _fail(max_name, f"at least the longest sequence of {name} ({longest})", max_seqlen)
+    if paged:
+        num_blocks, page_block_size = k.shape[0], k.shape[1]
+        capacity = block_table.shape[1] * page_block_size
+        for row, length in zip(block_table.tolist(), lengths["cu_seqlens_k"]):
+            if length > capacity:
+                _fail("cu_seqlens_k", f"sequences of at most {capacity} keys (block_table's "
+                      f"{block_table.shape[1]} blocks of {page_block_size})", length)
+            used = row[: -(-length // page_block_size)]
+            if any(not 0 <= block < num_blocks for block in used):
+                _fail("block_table", f"block indices in [0, {num_blocks}) for the blocks a "
+                      "sequence uses", used)
+
+
 # ----------------------------------------------------------------------------------------------
 # torch.library custom ops: what torch.compile sees. Each calls the extension once.
 # ----------------------------------------------------------------------------------------------
 
 
-def _round_multiple(x, m):
-    return (x + m - 1) // m * m
+# The signatures (names, order, defaults) and results are flash-attn 2.8's, so code that calls
+# these private ops directly (ring / context-parallel attention libraries do) runs unchanged.
 
 
 @torch.library.custom_op("flash_attn::_flash_attn_forward", mutates_args=(), device_types="cuda")
@@ -115,6 +199,7 @@ def _flash_attn_forward(
     causal: bool, window_size_left: int, window_size_right: int, softcap: float,
     alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = (maybe_contiguous(t) for t in (q, k, v))
     out, softmax_lse, S_dmask, rng_state = _cuda_ext().fwd(
         q, k, v, None, alibi_slopes, dropout_p, softmax_scale, causal,
         window_size_left, window_size_right, softcap, return_softmax, None,
@@ -127,9 +212,9 @@ def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_r
       alibi_slopes, return_softmax):
     batch, seqlen_q, num_heads, _ = q.shape
     seqlen_k = k.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(maybe_contiguous(q))  # as the binding allocates it
     softmax_lse = q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32)
-    shape_p = ((batch, num_heads, _round_multiple(seqlen_q, 128), _round_multiple(seqlen_k, 128))
+    shape_p = ((batch, num_heads, round_multiple(seqlen_q, 128), round_multiple(seqlen_k, 128))
                if return_softmax else (0,))
     return out, softmax_lse, q.new_empty(shape_p), q.new_empty((2,), dtype=torch.int64)
 
@@ -139,13 +224,19 @@ def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_r
 def _flash_attn_varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-    softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
-    softcap: float, alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
-    block_table: Optional[torch.Tensor],
+    softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
+    softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+    return_softmax: bool = False, block_table: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if leftpad_k is not None:
+        raise NotImplementedError("flash_attn: leftpad_k is not supported by the varlen forward "
+                                  "of this build")
+    q, k, v = (maybe_contiguous(t) for t in (q, k, v))
     out, softmax_lse, S_dmask, rng_state = _cuda_ext().varlen_fwd(
-        q, k, v, None, cu_seqlens_q, cu_seqlens_k, None, None, block_table, alibi_slopes,
-        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, False, causal,
+        q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
+        alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, zero_tensors, causal,
         window_size_left, window_size_right, softcap, return_softmax, None,
     )
     return out, softmax_lse, S_dmask, rng_state
@@ -153,14 +244,14 @@ def _flash_attn_varlen_forward(
 
 @_flash_attn_varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-      causal, window_size_left, window_size_right, softcap, alibi_slopes, return_softmax,
-      block_table):
+      causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+      return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False):
     total_q, num_heads, _ = q.shape
     batch = cu_seqlens_q.numel() - 1
-    out = torch.empty_like(q)
+    out = torch.empty_like(maybe_contiguous(q))  # as the binding allocates it
     softmax_lse = q.new_empty((num_heads, total_q), dtype=torch.float32)
-    shape_p = ((batch, num_heads, _round_multiple(max_seqlen_q, 128),
-                _round_multiple(max_seqlen_k, 128)) if return_softmax else (0,))
+    shape_p = ((batch, num_heads, round_multiple(max_seqlen_q, 128),
+                round_multiple(max_seqlen_k, 128)) if return_softmax else (0,))
     return out, softmax_lse, q.new_empty(shape_p), q.new_empty((2,), dtype=torch.int64)
 
 
@@ -168,11 +259,13 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
                          device_types="cuda")
 def _flash_attn_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
-    window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-    deterministic: bool, rng_state: Optional[torch.Tensor],
+    softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+    window_size_left: int, window_size_right: int, softcap: float,
+    alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
+    dout, q, k, v, out = (maybe_contiguous(t) for t in (dout, q, k, v, out))
     _, _, _, softmax_d = _cuda_ext().bwd(
         dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p, softmax_scale,
         causal, window_size_left, window_size_right, softcap, deterministic, None, rng_state,
@@ -182,7 +275,7 @@ def _flash_attn_backward(
 
 @_flash_attn_backward.register_fake
 def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-      window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state):
+      window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
     return torch.empty_like(softmax_lse)
 
 
@@ -190,16 +283,18 @@ def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, cau
                          device_types="cuda")
 def _flash_attn_varlen_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    softmax_lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
-    window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-    deterministic: bool, rng_state: Optional[torch.Tensor],
+    softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+    window_size_left: int, window_size_right: int, softcap: float,
+    alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False,
 ) -> torch.Tensor:
+    dout, q, k, v, out = (maybe_contiguous(t) for t in (dout, q, k, v, out))
     _, _, _, softmax_d = _cuda_ext().varlen_bwd(
         dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, False, causal, window_size_left,
-        window_size_right, softcap, deterministic, None, rng_state,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, zero_tensors, causal,
+        window_size_left, window_size_right, softcap, deterministic, None, rng_state,
     )
     return softmax_d
 
@@ -207,8 +302,16 @@ def _flash_attn_varlen_backward(
 @_flash_attn_varlen_backward.register_fake
 def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-      alibi_slopes, deterministic, rng_state):
+      alibi_slopes, deterministic, rng_state=None, zero_tensors=False):
     return torch.empty_like(softmax_lse)
+
+
+# flash-attn 2.8's autograd Functions call the ops through these (the torch.ops handles on
+# PyTorch >= 2.4, which this package requires).
+_wrapped_flash_attn_forward = torch.ops.flash_attn._flash_attn_forward
+_wrapped_flash_attn_varlen_forward = torch.ops.flash_attn._flash_attn_varlen_forward
+_wrapped_flash_attn_backward = torch.ops.flash_attn._flash_attn_backward
+_wrapped_flash_attn_varlen_backward = torch.ops.flash_attn._flash_attn_varlen_backward
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,6 +571,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
         _fail("qkv", "a (total, 3, nheads, headdim) tensor", getattr(qkv, "shape", qkv))
     q, k, v = qkv.unbind(dim=1)
     _check_attention_args(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                          max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                           window_size=window_size, softcap=softcap)
     return FlashAttnVarlenQKVPackedFunc.apply(qkv, cu_seqlens, max_seqlen, dropout_p,
@@ -486,7 +590,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
         _fail("kv", "a (total_k, 2, nheads_k, headdim) tensor", getattr(kv, "shape", kv))
     k, v = kv.unbind(dim=1)
     _check_attention_args(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q,
-                          cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                          max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes,
                           dropout_p=dropout_p, window_size=window_size, softcap=softcap)
     return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -505,7 +610,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_q/k: (batch + 1,) int32 offsets. softmax_lse is (nheads, total_q).
     """
     _check_attention_args(q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q,
-                          cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                          max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes,
                           block_table=block_table, dropout_p=dropout_p, window_size=window_size,
                           softcap=softcap)
     return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -376,6 +376,20 @@ def _qkv(dtype=torch.float16, shape_q=(1, 8, 2, 16), shape_k=(1, 8, 2, 16)):
     return torch.randn(shape_q).to(dtype), torch.randn(shape_k).to(dtype), torch.randn(shape_k).to(dtype)
 
 
+def _varlen_qkv(total_q=8, total_k=8):
+    return (torch.randn(total_q, 2, 16).half(), torch.randn(total_k, 2, 16).half(),
+            torch.randn(total_k, 2, 16).half())
+
+
+def _paged_kv(num_blocks=2, page_block_size=256):
+    k = torch.randn(num_blocks, page_block_size, 2, 16).half()
+    return k, torch.randn_like(k)
+
+
+def _cu(offsets):
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: flash_attn_func(*_qkv(torch.float32)), "q must be float16 or bfloat16"),
     (lambda: flash_attn_func(*_qkv(shape_k=(1, 8, 2, 24))), "k and v must be of the same head dim"),
@@ -397,6 +411,18 @@ def _qkv(dtype=torch.float16, shape_q=(1, 8, 2, 16), shape_k=(1, 8, 2, 16)):
                                     torch.tensor([0, 8], dtype=torch.int32), 8, 8),
      "cu_seqlens_q must be a 1-D torch.int32"),
     (lambda: flash_attn_qkvpacked_func(torch.randn(1, 8, 2, 2, 16).half()), "qkv must be a"),
+    (lambda: flash_attn_func(*_qkv(), window_size=(-2, 0)), "window_size must be a pair"),
+    (lambda: flash_attn_func(*_qkv(), window_size=(4,)), "window_size must be a pair"),
+    (lambda: flash_attn_func(*_qkv(), window_size=(1.5, 0)), "window_size must be a pair"),
+    (lambda: flash_attn_func(*_qkv(), softcap=float("nan")), "softcap must be >= 0"),
+    (lambda: flash_attn_varlen_func(*_varlen_qkv(), _cu([0, 8]), _cu([0, 8]), -1, 8),
+     "max_seqlen_q must be an int >= 0"),
+    (lambda: flash_attn_varlen_func(*_varlen_qkv(), _cu([0, 8]), _cu([0, 8]), 8, 8.5),
+     "max_seqlen_k must be an int >= 0"),
+    (lambda: flash_attn_varlen_func(torch.randn(8, 2, 16).half(), *_paged_kv(), _cu([0, 8]),
+                                    _cu([0, 8]), 8, 8,
+                                    block_table=torch.zeros(2, 1, dtype=torch.int32)),
+     "block_table must be of 1 rows"),
 ])
 def test_bad_input_names_the_argument(call, match):
     if torch.cuda.is_available() and "CUDA device" in match:
