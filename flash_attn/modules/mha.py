@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from flash_attn import flash_attn_interface as fai
+from flash_attn.utils.autocast import compute_dtype
 
 # ----------------------------------------------------------------------------------------------
 # Optional pieces written elsewhere in the package: imported lazily, with a fallback.
@@ -292,6 +293,39 @@ class LinearResidual(nn.Linear):
 _KVCACHE_KERNEL = {"available": None}  # None: not tried yet
 
 
+def _new_kv_cache(batch_size, max_seqlen, num_heads_kv, head_dim, dtype, device):
+    # zeros, not empty: the PyTorch path multiplies masked (probability 0) slots by them.
+    return torch.zeros(batch_size, max_seqlen, 2, num_heads_kv, head_dim, dtype=dtype,
+                       device=device)
+
+
+def _layer_kv_cache(inference_params, layer_idx, kv):
+    """This layer's cache, allocated on first use in the dtype of the keys it will hold."""
+    caches = inference_params.key_value_memory_dict
+    if layer_idx not in caches:
+        caches[layer_idx] = _new_kv_cache(inference_params.max_batch_size,
+                                          inference_params.max_seqlen, kv.shape[-2],
+                                          kv.shape[-1], kv.dtype, kv.device)
+    return caches[layer_idx]
+
+
+def _update_kv_cache(kv, inference_params, layer_idx):
+    """flash-attn's helper: writes kv (b, s, 2, h_k, d) into the layer's cache at
+    inference_params' batch and sequence offsets (allocating it in kv's dtype on first use) and
+    returns the cache up to the last written position, (b, offset + s, 2, h_k, d)."""
+    cache = _layer_kv_cache(inference_params, layer_idx, kv)
+    batch_start = inference_params.batch_size_offset
+    batch_end = batch_start + kv.shape[0]
+    seq_start = inference_params.seqlen_offset
+    seq_end = seq_start + kv.shape[1]
+    if batch_end > cache.shape[0] or seq_end > cache.shape[1]:
+        raise ValueError(f"flash_attn: kv of batch rows [{batch_start}, {batch_end}) and positions "
+                         f"[{seq_start}, {seq_end}) does not fit the cache of shape "
+                         f"{tuple(cache.shape)}")
+    cache[batch_start:batch_end, seq_start:seq_end] = kv
+    return cache[batch_start:batch_end, :seq_end]
+
+
 def _try_flash_kvcache(q, kv_cache, kv, cache_seqlens, **kwargs):
     """flash_attn_with_kvcache, or None while this build has no kv-cache kernel."""
     if _KVCACHE_KERNEL["available"] is False:
@@ -393,26 +427,28 @@ class MHA(nn.Module):
     # -- kv cache ------------------------------------------------------------------------------
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):
+        """(batch, max_seqlen, 2, h_k, d) zeros in `dtype`, by default the dtype attention sees:
+        autocast's when it is on (fp32 weights under bf16 autocast give bf16 keys), else the
+        weights'."""
         weight = self.out_proj.weight
-        # zeros, not empty: the PyTorch path multiplies masked (probability 0) slots by them.
-        return torch.zeros(batch_size, max_seqlen, 2, self.num_heads_kv, self.head_dim,
-                           dtype=dtype or weight.dtype, device=weight.device)
-
-    def _kv_cache(self, inference_params):
-        caches = inference_params.key_value_memory_dict
-        if self.layer_idx not in caches:
-            caches[self.layer_idx] = self.allocate_inference_cache(
-                inference_params.max_batch_size, inference_params.max_seqlen)
-        return caches[self.layer_idx]
+        if dtype is None:
+            dtype = compute_dtype(weight.device.type, weight.dtype)
+        return _new_kv_cache(batch_size, max_seqlen, self.num_heads_kv, self.head_dim, dtype,
+                             weight.device)
 
     def _attend_with_cache(self, q, kv, inference_params):
         """Append kv (b, s, 2, h_k, d) to this layer's cache; attend q to the whole cache."""
         start = inference_params.batch_size_offset
-        cache = self._kv_cache(inference_params)[start: start + q.shape[0]]
+        cache = _layer_kv_cache(inference_params, self.layer_idx, kv)[start: start + q.shape[0]]
+        if cache.dtype != kv.dtype:
+            # A cache allocated outside autocast (or in another dtype): attention runs in the
+            # cache's dtype, q included, rather than mixing dtypes.
+            q, kv = q.to(cache.dtype), kv.to(cache.dtype)
         lengths = inference_params.lengths_per_sample
         cache_seqlens = (lengths[start: start + q.shape[0]] if lengths is not None
                          else inference_params.seqlen_offset)
-        if self.use_flash_attn and q.is_cuda:
+        use_flash = self.use_flash_attn and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        if use_flash:
             seqlens = cache_seqlens
             if not isinstance(seqlens, torch.Tensor):
                 seqlens = torch.full((q.shape[0],), seqlens, dtype=torch.int32, device=q.device)
@@ -426,7 +462,7 @@ class MHA(nn.Module):
         if isinstance(cache_seqlens, int):
             cache[:, cache_seqlens: cache_seqlens + seqlen] = kv
             keys = cache[:, : cache_seqlens + seqlen]
-            if self.use_flash_attn and q.is_cuda:
+            if use_flash:
                 return self.inner_cross_attn(q, keys)
             key_padding_mask = None
         else:  # per-sample lengths (CUDA-graph decoding): fixed shapes, masks instead of slices
@@ -542,9 +578,7 @@ class MHA(nn.Module):
             q_or_qkv, kv = q_or_qkv[..., 0, :, :], q_or_qkv[..., 1:, :, :]
         if inference_params.seqlen_offset == 0:
             # Prefill: attention over the prompt alone, and the cache filled for later steps.
-            start = inference_params.batch_size_offset
-            cache = self._kv_cache(inference_params)
-            cache[start: start + kv.shape[0], : kv.shape[1]] = kv
+            _update_kv_cache(kv, inference_params, self.layer_idx)
             return self._attend(q_or_qkv, kv)
         return self._attend_with_cache(q_or_qkv, kv, inference_params)
 

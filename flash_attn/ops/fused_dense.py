@@ -31,6 +31,7 @@ from torch.amp import custom_bwd, custom_fwd
 from torch.distributed import ProcessGroup
 
 from flash_attn._native import extension_available, load_extension
+from flash_attn.utils.autocast import compute_dtype
 from flash_attn.ops.activations import gelu_bwd, gelu_fwd, relu_bwd, sqrelu_bwd, sqrelu_fwd
 from flash_attn.utils.distributed import (
     all_gather_raw,
@@ -63,9 +64,7 @@ def _on_one_cuda_device(*tensors):
 
 def _autocast_dtype(x):
     """The dtype the layers compute in: the autocast dtype of x's device when autocast is on."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+    return compute_dtype(x.device.type, x.dtype)
 
 
 def _cast(dtype, *tensors):

@@ -13,6 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
+from flash_attn.utils.autocast import compute_dtype
+
 
 @dataclass
 class InferenceParams:
@@ -37,6 +39,15 @@ class InferenceParams:
 # ----------------------------------------------------------------------------------------------
 # Sampling.
 # ----------------------------------------------------------------------------------------------
+
+
+def modify_logits_for_top_k_filtering(logits, top_k):
+    """In place: -inf for every token below the top_k most likely ones (ties at the k-th logit
+    stay)."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return
+    kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    logits.masked_fill_(logits < kth_largest, float("-inf"))
 
 
 def modify_logits_for_top_p_filtering(logits, top_p):
@@ -221,7 +232,9 @@ def update_graph_cache(model, cache, batch_size, seqlen_og, max_seqlen, decoding
     was allocated); otherwise allocate new kv caches and capture again."""
     cache = cache if cache is not None else DecodingCGCache()
     param = next(iter(model.parameters()))
-    device, dtype = param.device, dtype if dtype is not None else param.dtype
+    # The kv cache holds what attention sees: autocast's dtype when it is on, not the weights'.
+    device = param.device
+    dtype = dtype if dtype is not None else compute_dtype(device.type, param.dtype)
     if ((device, dtype) != (cache.device, cache.dtype) or batch_size > cache.max_batch_size
             or max_seqlen > cache.max_seqlen):
         cache.callables, cache.mempool, cache.inference_params = {}, None, None
@@ -247,6 +260,14 @@ def update_graph_cache(model, cache, batch_size, seqlen_og, max_seqlen, decoding
     return cache
 
 
+def _autocast_without_cache(device_type):
+    """The caller's autocast state with its weight-cast cache off: a graph captured with cached
+    casts would keep reading their memory after autocast exits and frees them, so the casts must
+    be captured as kernels of the graph."""
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                          enabled=torch.is_autocast_enabled(device_type), cache_enabled=False)
+
+
 def capture_graph(model, inference_params, batch_size, max_seqlen, decoding_seqlen=1,
                   mempool=None, n_warmups=2):
     """Capture one decoding step. Inside the graph the cache position comes from the tensor
@@ -265,7 +286,7 @@ def capture_graph(model, inference_params, batch_size, max_seqlen, decoding_seql
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), _autocast_without_cache("cuda"):
         for _ in range(n_warmups):
             step()
         side.synchronize()
@@ -273,7 +294,7 @@ def capture_graph(model, inference_params, batch_size, max_seqlen, decoding_seql
             torch.distributed.barrier()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=mempool):
+    with torch.cuda.graph(graph, pool=mempool), _autocast_without_cache("cuda"):
         logits = step()
 
     def run(new_input_ids, new_position_ids, seqlen):

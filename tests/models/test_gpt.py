@@ -277,3 +277,66 @@ def test_generation_kv_cache_and_cuda_graph_gpu(variant, fused):
     assert torch.equal(torch.stack(out_cg2.scores, dim=1).float(), scores_cg)
     # And free-running greedy decoding with graphs gives a full-length sequence.
     assert decode(prompt, model, max_length=100, cg=True).sequences.shape == (3, 100)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation under autocast: fp32 weights, half-precision attention. The kv cache must hold the
+# dtype attention sees (autocast's), and CUDA graphs must not capture autocast's cached casts.
+# ----------------------------------------------------------------------------------------------
+
+
+def _cache_dtypes(inference_params):
+    return {cache.dtype for cache in inference_params.key_value_memory_dict.values()}
+
+
+def test_kv_cache_takes_the_autocast_dtype_cpu():
+    from flash_attn.utils.generation import InferenceParams
+
+    torch.manual_seed(0)
+    model = GPTLMHeadModel(_config(**VARIANTS["llama-like"])).eval()  # fp32 weights
+    prompt = torch.randint(2, VOCAB, (2, 6))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert {c.dtype for c in model.allocate_inference_cache(2, 16).values()} == {torch.bfloat16}
+        params = InferenceParams(max_seqlen=16, max_batch_size=2)
+        model(prompt, inference_params=params, num_last_tokens=1)  # caches allocated lazily
+        assert _cache_dtypes(params) == {torch.bfloat16}
+        out = decode(prompt, model, max_length=16, output_scores=True)
+        full = model(out.sequences).logits.float()
+    assert {c.dtype for c in model.allocate_inference_cache(2, 16).values()} == {torch.float32}
+    scores = torch.stack(out.scores, dim=1).float()
+    assert (scores - full[:, 5:15]).abs().max().item() < 0.1 * full.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_generation_under_autocast_with_fp32_weights_gpu(fused):
+    """training/train_gpt.py's sampling: an fp32 model generating under bf16 autocast, with and
+    without CUDA graphs; graphs captured in one autocast region replay right in the next."""
+    torch.manual_seed(0)
+    config = _gpu_config(**VARIANTS["llama-like"], **(FUSED if fused else dict(use_flash_attn=True)))
+    model = GPTLMHeadModel(config, device="cuda").eval()
+    assert next(model.parameters()).dtype == torch.float32
+    prompt = torch.randint(2, 1000, (3, 40), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = decode(prompt, model, max_length=100, output_scores=True)
+        with torch.no_grad():
+            full = model(out.sequences).logits.float()
+        out_cg = decode(prompt, model, max_length=100, cg=True, teacher_outputs=out.sequences,
+                        output_scores=True)
+    assert out.sequences.shape == (3, 100)
+    assert _cache_dtypes(model._decoding_cache.inference_params) == {torch.bfloat16}
+    scores = torch.stack(out.scores, dim=1).float()
+    assert (scores - full[:, 39:99]).abs().max().item() < 0.05
+    scores_cg = torch.stack(out_cg.scores, dim=1).float()
+    assert (scores_cg - scores).abs().max().item() < 0.05
+    # A new autocast region: the graphs are replayed, not captured again, and the casts they
+    # captured are theirs (autocast's cache of the first region is gone).
+    graphs = dict(model._decoding_cache.callables)
+    torch.cuda.empty_cache()
+    junk = [torch.randn(1 << 20, device="cuda") for _ in range(8)]  # reuse the freed blocks
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out_cg2 = decode(prompt, model, max_length=100, cg=True, teacher_outputs=out.sequences,
+                         output_scores=True)
+    del junk
+    assert model._decoding_cache.callables == graphs
+    assert torch.equal(torch.stack(out_cg2.scores, dim=1).float(), scores_cg)
