@@ -82,11 +82,13 @@ def sqrelu_bwd(g, x):
     return (2.0 * g * F.relu(x)).to(dtype=x.dtype)
 
 
-def _swiglu_fwd(x, y):
+def swiglu_fwd(x, y):
+    """silu(x) * y, computed in fp32, in x's dtype."""
     return (F.silu(x.float()) * y.float()).to(x.dtype)
 
 
-def _swiglu_bwd(g, x, y):
+def swiglu_bwd(g, x, y):
+    """(d/dx, d/dy) of swiglu_fwd at (x, y), times g."""
     xf, yf, gf = x.float(), y.float(), g.float()
     sig = torch.sigmoid(xf)
     dx = sig * (1 + xf * (1 - sig)) * gf * yf
@@ -100,12 +102,12 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y):
         ctx.save_for_backward(x, y)
-        return _swiglu_fwd(x, y)
+        return swiglu_fwd(x, y)
 
     @staticmethod
     def backward(ctx, dout):
         x, y = ctx.saved_tensors
-        return _swiglu_bwd(dout, x, y)
+        return swiglu_bwd(dout, x, y)
 
 
 swiglu = SwiGLUFunction.apply
