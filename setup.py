@@ -15,13 +15,23 @@ Environment knobs (all optional):
   FLASH_ATTN_PREBUILT_DIR               objects of attention units compiled by
                                         scripts/prebuild_kernels.py; each is linked instead of
                                         compiled while its sources and flags are unchanged
+  CXX                                   host compiler, used when it is a GCC of the major version
+                                        PyTorch was built with; otherwise such a GCC is looked for
+                                        on PATH (csrc/host_compiler.py), and the build stops if
+                                        none is found
+  FLASH_ATTN_ANY_HOST_COMPILER=1        build with CXX (or c++) unchecked
+
+The extensions build side by side, each with its own ninja file, so that the small ones compile
+while the attention units do.
 """
 
+import copy
 import glob
 import importlib.util
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -38,6 +48,7 @@ def load_module(name, path):
 
 
 build_flags = load_module("build_flags", "csrc/build_flags.py")  # nvcc flags, prebuilt-unit keys
+host_compiler = load_module("host_compiler", "csrc/host_compiler.py")  # the GCC to build with
 
 # One row per native extension: its source folder and what it links against.
 EXTENSIONS = {
@@ -87,6 +98,18 @@ def cutlass_include_dir():
         sys.exit(f"flash_attn: {err}")
 
 
+def use_host_compiler():
+    """Exports CXX and CC (nvcc's host compiler too) as csrc/host_compiler.py chooses them."""
+    import torch
+
+    try:
+        choice = host_compiler.choose(torch.__config__.show(), dict(os.environ))
+    except host_compiler.HostCompilerError as err:
+        sys.exit(f"flash_attn: {err}")
+    os.environ["CXX"], os.environ["CC"] = choice.cxx, choice.cc
+    print(f"flash_attn: {choice.message}")
+
+
 def nvidia_wheel_dirs(component):
     """Include and library folders of an NVIDIA runtime wheel (nvidia-cublas and friends)."""
     include_dirs, library_dirs = [], []
@@ -98,6 +121,23 @@ def nvidia_wheel_dirs(component):
             if (base / "lib").is_dir():
                 library_dirs.append(str(base / "lib"))
     return include_dirs, library_dirs
+
+
+def link_flags(libraries, library_dirs):
+    """-l flags of the libraries: -lNAME where libNAME.so exists (the toolkit), else
+    -l:libNAME.so.N, the versioned file a runtime wheel alone ships (nvidia-cublas has no
+    unversioned libcublasLt.so)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    search = [Path(CUDA_HOME) / "lib64", Path(CUDA_HOME) / "lib"] + [Path(d) for d in library_dirs]
+    flags = []
+    for name in libraries:
+        if any((d / f"lib{name}.so").exists() for d in search):
+            flags.append(f"-l{name}")
+            continue
+        versioned = sorted(p.name for d in search if d.is_dir() for p in d.glob(f"lib{name}.so.*"))
+        flags.append(f"-l:{versioned[0]}" if versioned else f"-l{name}")
+    return flags
 
 
 def cuda_archs():
@@ -124,7 +164,15 @@ def attention_sources(folder):
         sys.exit(f"flash_attn: FLASH_ATTN_HDIMS/FLASH_ATTN_DTYPES name no or unknown values {unknown}; "
                  f"choose from {all_hdims} and {all_dtypes}")
     generated = generator.write_instantiations(ROOT / folder / "src" / "generated", hdims, dtypes)
-    return [os.path.relpath(p, ROOT) for p in generated]
+    return [os.path.relpath(p, ROOT) for p in sorted(generated, key=compile_cost, reverse=True)]
+
+
+def compile_cost(unit):
+    """Rough relative compile time of an attention unit: ninja starts units in the order given, so
+    the longest go first and the last ones to finish are short (the build's tail)."""
+    name = Path(unit).stem
+    head_dim = int(re.search(r"hdim(\d+)", name).group(1))
+    return (2 if name.startswith("flash_bwd") else 1, head_dim, "_dropout" in name, "_masked" in name)
 
 
 def split_prebuilt(units, folder, cutlass_dir, key_flags):
@@ -157,7 +205,9 @@ def cuda_extensions():
     nvcc_threads = os.getenv("NVCC_THREADS", "2")
     key_flags = build_flags.kernel_flags(archs)
     common_nvcc = key_flags + ["--threads", nvcc_threads]
-    print(f"flash_attn: building {wanted} for sm {archs} with MAX_JOBS={os.getenv('MAX_JOBS', 'auto')}")
+    use_host_compiler()
+    print(f"flash_attn: building the CUDA extensions {wanted} for sm {archs} with "
+          f"MAX_JOBS={os.getenv('MAX_JOBS', 'auto')}")
 
     extensions = []
     for name in wanted:
@@ -174,12 +224,14 @@ def cuda_extensions():
         if not sources:
             continue  # this extension has not been written yet
         include_dirs = [str(ROOT / folder), str(ROOT / folder / "src")]
-        library_dirs, extra_objects = [], []
+        library_dirs, extra_objects, system_includes = [], [], []
         if row.get("needs_cutlass"):
             include_dirs.append(cutlass_include_dir())
         for component in row.get("nvidia_wheels", ()):
             inc, lib = nvidia_wheel_dirs(component)
-            include_dirs += inc
+            # -isystem: searched after the toolkit's -I folder, so the wheel supplies only the
+            # headers the toolkit lacks (cublasLt.h), never a second copy of the CUDA runtime's.
+            system_includes += [flag for d in inc for flag in ("-isystem", d)]
             library_dirs += lib
         if row.get("attention"):
             units, extra_objects = split_prebuilt(attention_sources(folder), folder, cutlass_include_dir(), key_flags)
@@ -190,12 +242,33 @@ def cuda_extensions():
                 sources=sources,
                 include_dirs=include_dirs,
                 library_dirs=library_dirs,
-                libraries=row.get("libraries", []),
+                extra_link_args=link_flags(row.get("libraries", []), library_dirs),
                 extra_objects=extra_objects,
-                extra_compile_args={"cxx": ["-O3"], "nvcc": common_nvcc},
+                extra_compile_args={"cxx": ["-O3"] + system_includes,
+                                    "nvcc": common_nvcc + system_includes},
             )
         )
-    return extensions, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return extensions, {"build_ext": parallel_build_ext(BuildExtension).with_options(use_ninja=True)}
+
+
+def parallel_build_ext(base):
+    """torch's BuildExtension with the extensions built concurrently: each gets a build_temp of
+    its own (torch writes one build.ninja per compile call into it), and setuptools' parallel
+    mode runs one thread per extension."""
+
+    class ParallelBuildExtension(base):
+        def build_extensions(self):
+            self.parallel = max(1, len(self.extensions))
+            super().build_extensions()
+
+        def build_extension(self, ext):
+            worker = copy.copy(self)
+            worker.build_temp = os.path.join(self.build_temp, ext.name)
+            start = time.time()
+            super(ParallelBuildExtension, worker).build_extension(ext)
+            print(f"flash_attn: built {ext.name} in {time.time() - start:.0f} s", flush=True)
+
+    return ParallelBuildExtension
 
 
 ext_modules, cmdclass = cuda_extensions()
