@@ -28,13 +28,6 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 
 cd "$REPO"
 export PYTHONUNBUFFERED=1
-# Build with the system GCC, the same major version PyTorch's wheels are built with. On the H200
-# image CXX points at /opt/gcc/bin/g++, and extensions built with it crash (SIGSEGV) whenever C++
-# throws (every TORCH_CHECK failure); the same extension built with /usr/bin/g++ raises cleanly
-# (seen 2026-11-30). GPU_CHECK_CXX overrides the choice.
-if [ -n "${GPU_CHECK_CXX:-}" ] || [ -x /usr/bin/g++ ]; then
-  export CXX=${GPU_CHECK_CXX:-/usr/bin/g++} CC=${GPU_CHECK_CC:-/usr/bin/gcc}
-fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 
 if [ -n "$WHEEL_DIR" ] && compgen -G "$WHEEL_DIR/*.whl" >/dev/null; then
@@ -53,6 +46,7 @@ python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', 
 
 if [ "${GPU_CHECK_SKIP_BUILD:-0}" != 1 ]; then
   start=$(date +%s)
+  # The build picks a host compiler matching PyTorch's GCC itself (csrc/host_compiler.py).
   python3 -m pip install -v --no-build-isolation --no-deps . >"$LOG_DIR/build.log" 2>&1
   status=$?
   note "build: exit $status in $(( $(date +%s) - start )) s with MAX_JOBS=$MAX_JOBS" \
@@ -62,6 +56,7 @@ if [ "${GPU_CHECK_SKIP_BUILD:-0}" != 1 ]; then
     exit $status
   fi
   grep -E "registers|spill" "$LOG_DIR/build.log" >"$LOG_DIR/ptxas.txt" || true
+  grep -E "^\s*flash_attn:" "$LOG_DIR/build.log" | tee -a "$SUMMARY"
 fi
 python3 -c "import flash_attn._native as n; print('extensions:', {e: n.extension_available(e) for e in \
 ('flash_attn_2_cuda', 'fused_dense_lib', 'dropout_layer_norm')})" 2>&1 | tee -a "$SUMMARY"
