@@ -4,8 +4,8 @@ with and without inplace_backward) vs F.cross_entropy (eager and torch.compile),
 16k tokens, bf16 logits, vocab 50257 (GPT-2) and 128256 (Llama 3), mean over tokens.
 Done-when checks: ours (fwd+bwd) faster than F.cross_entropy; with inplace_backward, no extra
 logits-sized allocation (peak extra memory < 5% of the logits).
-Usage: python benchmarks/benchmark_cross_entropy.py [--smoke]   (--smoke: tiny shapes on CPU
-under TRITON_INTERPRET=1, to check the script itself)
+Usage: python benchmarks/benchmark_cross_entropy.py [--smoke] [--no-compile]   (--smoke: tiny
+shapes on CPU, Triton in its interpreter, to check the script itself)
 """
 
 import functools
@@ -18,13 +18,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import copy_bandwidth, gbps, parse_args, report, save_plot, time_ms, wall_ms  # noqa: E402
 
-from flash_attn.losses.cross_entropy import CrossEntropyLoss  # noqa: E402
-from flash_attn.ops.triton.cross_entropy import _backward_launch, _forward_launch  # noqa: E402
+# flash_attn's cross-entropy modules define Triton kernels, so they are imported in the functions
+# below, after parse_args has turned Triton's interpreter on for --smoke.
 
 MEMORY_TARGET = 0.05  # inplace_backward: extra peak memory / logits bytes
 
 
 def _losses(compile_peer):
+    from flash_attn.losses.cross_entropy import CrossEntropyLoss
+
     fns = {
         "ours": CrossEntropyLoss(),
         "ours inplace_backward": CrossEntropyLoss(inplace_backward=True),
@@ -88,6 +90,8 @@ def run_vocab(vocab, tokens, device, timer, compile_peer):
 
 def run_config_sweep(vocab, tokens, device, timer):
     """Kernel time of a few block sizes, to check the default heuristic."""
+    from flash_attn.ops.triton.cross_entropy import _backward_launch, _forward_launch
+
     logits = torch.randn(tokens, vocab, device=device).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (tokens,), device=device)
     losses, z_losses, lse = (torch.empty(tokens, device=device) for _ in range(3))
@@ -115,6 +119,7 @@ def main():
     compile_peer = not (args.smoke or args.no_compile)
     all_rows, checks, series = [], [], {}
     for vocab in vocabs:
+        print(f"vocab {vocab} ...", flush=True)
         rows, results, copy_gbps, ours_gbps = run_vocab(vocab, tokens, device, timer, compile_peer)
         all_rows += rows
         checks.append((vocab, results, copy_gbps, ours_gbps))

@@ -7,25 +7,31 @@ of 8 (50264, a flash-attn training option) and uses flash_attn's Triton cross-en
 works. Each fused piece is tried on a small input first (forward and backward under autocast);
 one that fails is switched off and the reason printed.
 
-    python benchmarks/benchmark_gpt.py
+    python benchmarks/benchmark_gpt.py [--smoke]
+
+--smoke: a tiny GPT-2 config, seq 32, on CPU, to check the script itself; "ours" then runs with
+every fused path off (they need CUDA). Both models are built from a config: nothing is downloaded.
 """
 
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, report, save_plot  # noqa: E402
+from _common import environment, note_stand_in, parse_args, report, save_plot  # noqa: E402
 
-SEQLEN = 1024
-MODELS = [("gpt2-small", dict(n_layer=12, n_embd=768, n_head=12), 16),
-          ("gpt2-medium", dict(n_layer=24, n_embd=1024, n_head=16), 8)]
-WARMUP, STEPS = 3, 10
-DEVICE = "cuda"
+VOCAB = 50257
+# (name, GPT2Config sizes, batch); seqlen, warm-up and timed steps per model.
+GPU_RUN = dict(device="cuda", seqlen=1024, warmup=3, steps=10,
+               models=[("gpt2-small", dict(n_layer=12, n_embd=768, n_head=12), 16),
+                       ("gpt2-medium", dict(n_layer=24, n_embd=1024, n_head=16), 8)])
+SMOKE_RUN = dict(device="cpu", seqlen=32, warmup=1, steps=2,
+                 models=[("gpt2-tiny", dict(n_layer=2, n_embd=64, n_head=4), 2)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -33,8 +39,8 @@ DEVICE = "cuda"
 # ----------------------------------------------------------------------------------------------
 
 
-def _autocast():
-    return torch.autocast("cuda", dtype=torch.bfloat16)
+def _autocast(device="cuda"):
+    return torch.autocast(device, dtype=torch.bfloat16)
 
 
 def _probe_flash_attn():
@@ -111,21 +117,21 @@ def available_paths():
 # ----------------------------------------------------------------------------------------------
 
 
-def _gpt2_config(sizes):
+def _gpt2_config(sizes, seqlen):
     from transformers import GPT2Config
 
-    return GPT2Config(n_positions=SEQLEN, vocab_size=50257, **sizes)
+    return GPT2Config(n_positions=seqlen, vocab_size=VOCAB, **sizes)
 
 
-def build_ours(sizes, paths):
+def build_ours(sizes, paths, device, seqlen):
     from flash_attn.models.gpt import GPTLMHeadModel
 
-    config = _gpt2_config(sizes)
+    config = _gpt2_config(sizes, seqlen)
     flags = {flag: works for flag, (works, _) in paths.items() if flag in (
         "use_flash_attn", "fused_bias_fc", "fused_mlp", "fused_dropout_add_ln")}
     config.update(dict(flags, residual_in_fp32=flags["fused_dropout_add_ln"],
                        pad_vocab_size_multiple=8))
-    model = GPTLMHeadModel(config, device=DEVICE)
+    model = GPTLMHeadModel(config, device=device)
     if paths["triton cross_entropy"][0]:
         from flash_attn.losses.cross_entropy import CrossEntropyLoss
 
@@ -143,12 +149,12 @@ def build_ours(sizes, paths):
     return model, loss_of
 
 
-def build_hf(sizes):
+def build_hf(sizes, device, seqlen):
     from transformers import GPT2LMHeadModel
 
-    config = _gpt2_config(sizes)
+    config = _gpt2_config(sizes, seqlen)
     config._attn_implementation = "sdpa"  # the constructor keyword differs across versions
-    model = GPT2LMHeadModel(config).to(DEVICE)
+    model = GPT2LMHeadModel(config).to(device)
     if model.config._attn_implementation != "sdpa":
         raise RuntimeError(f"HF picked attention {model.config._attn_implementation!r}, not sdpa")
 
@@ -158,66 +164,80 @@ def build_hf(sizes):
     return model, loss_of
 
 
-def tokens_per_second(model, loss_of, batch):
+def tokens_per_second(model, loss_of, batch, device, seqlen, warmup, steps):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     model.train()
-    ids = torch.randint(0, 50257, (batch, SEQLEN), device="cuda")
+    ids = torch.randint(0, VOCAB, (batch, seqlen), device=device)
 
     def step():
-        with _autocast():
+        with _autocast(device):
             loss = loss_of(ids)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(WARMUP):
+    for _ in range(warmup):
         loss = step()
     if not math.isfinite(loss.item()):
         raise RuntimeError(f"non-finite loss {loss.item()}")
     times = []
-    for _ in range(STEPS):
+    for _ in range(steps):
+        if device != "cuda":  # --smoke: wall clock
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
-    return batch * SEQLEN / statistics.median(times)
+    return batch * seqlen / statistics.median(times)
 
 
-def model_tflops(params, n_layer, d_model, tokens_per_s):
+def model_tflops(params, n_layer, d_model, seqlen, tokens_per_s):
     """6 x params x tokens + 6 x layers x d_model x seq x tokens (the anchors' formula)."""
-    return (6 * params + 6 * n_layer * d_model * SEQLEN) * tokens_per_s / 1e12
+    return (6 * params + 6 * n_layer * d_model * seqlen) * tokens_per_s / 1e12
 
 
 def main():
-    if not torch.cuda.is_available():
-        sys.exit("benchmark_gpt.py needs a CUDA GPU")
+    args = parse_args(__doc__)
+    run = SMOKE_RUN if args.smoke else GPU_RUN
+    device, seqlen = run["device"], run["seqlen"]
     torch.manual_seed(0)
     print(environment())
-    paths = available_paths()
+    if args.smoke:
+        note_stand_in("'ours' is our GPTLMHeadModel with every fused path off and PyTorch's "
+                      "cross-entropy (the fused paths need CUDA)")
+        paths = {flag: (False, "not probed: smoke run on CPU") for flag in PROBES}
+    else:
+        paths = available_paths()
     print("fused paths:")
     for flag, (works, note) in paths.items():
         print(f"  {flag:22s} {'on ' if works else 'off'}  {note}")
     rows, series = [], {"ours": ([], []), "HF sdpa": ([], [])}
-    for index, (name, sizes, batch) in enumerate(MODELS, 1):
+    for index, (name, sizes, batch) in enumerate(run["models"], 1):
         results, params = {}, float("nan")
-        for impl, build in (("HF sdpa", lambda: build_hf(sizes)), ("ours", lambda: build_ours(sizes, paths))):
+        for impl, build in (("HF sdpa", lambda: build_hf(sizes, device, seqlen)),
+                            ("ours", lambda: build_ours(sizes, paths, device, seqlen))):
+            print(f"{name} {impl} ...", flush=True)
             try:
                 model, loss_of = build()
                 if impl == "HF sdpa":
                     params = sum(p.numel() for p in model.parameters())
                 else:
                     print(f"{name} ours: {model.transformer.active_paths()}")
-                results[impl] = tokens_per_second(model, loss_of, batch)
+                results[impl] = tokens_per_second(model, loss_of, batch, device, seqlen,
+                                                  run["warmup"], run["steps"])
             except Exception as error:  # report the other measurement anyway
                 print(f"{name} {impl} FAILED: {type(error).__name__}: {error}")
                 results[impl] = float("nan")
             model = loss_of = None
             torch.cuda.empty_cache()
         for impl, tps in results.items():
-            tflops = model_tflops(params, sizes["n_layer"], sizes["n_embd"], tps)
+            tflops = model_tflops(params, sizes["n_layer"], sizes["n_embd"], seqlen, tps)
             rows.append([name, impl, batch, f"{tps:,.0f}", round(tflops, 1),
                          round(tps / results["HF sdpa"], 3)])
             series[impl][0].append(index)
@@ -226,11 +246,13 @@ def main():
               f"ratio {results['ours'] / results['HF sdpa']:.3f}")
     notes = "Fused paths: " + "; ".join(f"{flag} {'on' if works else 'off (' + note + ')'}"
                                         for flag, (works, note) in paths.items())
-    report("GPT-2 training step (seq 1024, bf16 autocast, fused AdamW)",
+    report(f"GPT-2 training step (seq {seqlen}, bf16 autocast, fused AdamW)",
            ["model", "implementation", "batch", "tokens/s", "model TFLOP/s", "vs HF sdpa"], rows,
            notes=notes)
-    save_plot("benchmark_gpt.png", "GPT-2 training tokens/s (1 = small b16, 2 = medium b8)",
-              "model", "tokens/s", series)
+    legend = ", ".join(f"{index} = {name.removeprefix('gpt2-')} b{batch}"
+                       for index, (name, _, batch) in enumerate(run["models"], 1))
+    save_plot("benchmark_gpt.png", f"GPT-2 training tokens/s ({legend})", "model", "tokens/s",
+              series)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ torch.compile), and vs a device-to-device copy of the same tensor, all measured 
 
 Bytes moved: x read + output written (+ the cos/sin tables); in place, only the rotary part.
 Done-when check: apply_rotary (out of place) >= 70% of the measured copy bandwidth.
-Usage: python benchmarks/benchmark_rotary.py [--smoke]   (--smoke: tiny shapes on CPU under
-TRITON_INTERPRET=1, to check the script itself)
+Usage: python benchmarks/benchmark_rotary.py [--smoke] [--no-compile]   (--smoke: tiny shapes
+on CPU, Triton in its interpreter, to check the script itself)
 """
 
 import sys
@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import copy_bandwidth, gbps, parse_args, report, save_plot, time_ms, wall_ms  # noqa: E402
 
-from flash_attn.layers.rotary import apply_rotary_emb_torch  # noqa: E402
-from flash_attn.ops.triton.rotary import _launch, apply_rotary  # noqa: E402
+# flash_attn's rotary modules define Triton kernels, so they are imported in the functions below,
+# after parse_args has turned Triton's interpreter on for --smoke.
 
 TARGET = 0.70
 
@@ -28,6 +28,9 @@ def _inputs(batch, seqlen, heads, headdim, rotary_dim, device, dtype=torch.bfloa
 
 
 def measure(batch, seqlen, heads, headdim, rotary_dim, interleaved, device, timer, compiled):
+    from flash_attn.layers.rotary import apply_rotary_emb_torch
+    from flash_attn.ops.triton.rotary import apply_rotary
+
     x, cos, sin = _inputs(batch, seqlen, heads, headdim, rotary_dim, device)
     elt = x.element_size()
     table_bytes = 2 * cos.numel() * elt
@@ -87,6 +90,7 @@ def run_seqlen_plot(seqlens, shape, device, timer, compiled):
     batch, _, heads, headdim = shape
     series = {}
     for seqlen in seqlens:
+        print(f"seqlen {seqlen} ...", flush=True)
         r = measure(batch, seqlen, heads, headdim, headdim, False, device, timer, compiled)
         for name in ("ours", "torch eager", "torch.compile", "copy"):
             series.setdefault(name, ([], []))
@@ -99,6 +103,8 @@ def run_seqlen_plot(seqlens, shape, device, timer, compiled):
 
 def run_config_sweep(shape, device, timer):
     """GB/s of a few launch configurations, to check the default heuristic."""
+    from flash_attn.ops.triton.rotary import _launch
+
     batch, seqlen, heads, headdim = shape
     rows = []
     for interleaved in (False, True):
@@ -130,6 +136,8 @@ def main():
         for knob in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, knob):
                 setattr(torch._dynamo.config, knob, 64)
+        from flash_attn.layers.rotary import apply_rotary_emb_torch
+
         compiled = torch.compile(apply_rotary_emb_torch, dynamic=False)
     run_main(shape, device, timer, compiled)
     run_config_sweep(shape, device, timer)

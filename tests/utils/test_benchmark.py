@@ -1,5 +1,12 @@
+import importlib.util
 import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +178,150 @@ def test_cuda_events_measure_device_time():
     _, long = benchmark_forward(torch.cuda._sleep, 4_000_000, repeats=5, verbose=False)
     assert timer.use_cuda and short.median > 0
     assert 1.6 < long.median / short.median < 2.4
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark scripts (benchmarks/): --smoke runs on CPU and writes nothing into benchmarks/;
+# without --smoke and without CUDA every script exits the same way.
+# ----------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_DIR = REPO / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCH_DIR.glob("benchmark_*.py"))
+# Scripts whose "ours" needs CUDA kernels: their smoke runs must say what stands in for it.
+STAND_IN_SCRIPTS = {"benchmark_flash_attention.py", "benchmark_fused_dense.py",
+                    "benchmark_layer_norm.py", "benchmark_gpt.py"}
+SCRIPT_TIMEOUT_S = 300  # a smoke run takes seconds; the margin is for a loaded 2-core machine
+TABLE = re.compile(r"^## .+\n\|( .+ \|)+\n\|(---\|)+$", re.M)
+
+
+def _load_common():
+    """A fresh benchmarks/_common.py (its smoke decision is module state), loaded without writing
+    benchmarks/__pycache__."""
+    spec = importlib.util.spec_from_file_location("benchmarks_common", BENCH_DIR / "_common.py")
+    module = importlib.util.module_from_spec(spec)
+    dont_write_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = dont_write_bytecode
+    return module
+
+
+@pytest.fixture
+def common(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLASH_ATTN_BENCH_OUT", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))  # restored after
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a smoke run's folder goes
+    threads = torch.get_num_threads()  # parse_args(--smoke) sets one thread for the process
+    yield _load_common()
+    torch.set_num_threads(threads)
+
+
+def _bench_dir_state():
+    """Bytes and mtime of the tracked results (RESULTS.md, PNGs), and every file name under
+    benchmarks/ but Python's bytecode cache."""
+    tracked = {p.name: (p.read_bytes(), p.stat().st_mtime_ns)
+               for p in [BENCH_DIR / "RESULTS.md", *BENCH_DIR.glob("*.png")]}
+    names = sorted(str(p.relative_to(BENCH_DIR)) for p in BENCH_DIR.rglob("*")
+                   if "__pycache__" not in p.parts)
+    return tracked, names
+
+
+def _run_script(script, args, tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FLASH_ATTN_BENCH_OUT", "TRITON_INTERPRET")}  # the script must set it
+    env.update(PYTHONDONTWRITEBYTECODE="1", TMPDIR=str(tmp_path))
+    return subprocess.run([sys.executable, str(BENCH_DIR / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+
+
+def test_every_benchmark_script_is_covered():
+    assert {"benchmark_flash_attention.py", "benchmark_fused_dense.py", "benchmark_layer_norm.py",
+            "benchmark_rotary.py", "benchmark_cross_entropy.py", "benchmark_gpt.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_smoke_runs_on_cpu_and_leaves_benchmarks_alone(script, tmp_path):
+    before = _bench_dir_state()
+    proc = _run_script(script, ["--smoke"], tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert TABLE.search(out), out[-3000:]
+    assert _bench_dir_state() == before  # RESULTS.md and the PNGs byte-identical, nothing added
+    # Results went to a fresh temporary folder, named in the output.
+    folder = re.search(r"^smoke run: RESULTS\.md and plots go to (\S+) ", out, re.M)
+    assert folder, out[-3000:]
+    folder = Path(folder.group(1))
+    assert folder.parent == tmp_path and folder.name.startswith("flash_attn_bench_smoke_")
+    assert "smoke run (tiny shapes, CPU)" in (folder / "RESULTS.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert list(folder.glob("*.png")), out[-3000:]
+    else:
+        assert "matplotlib is not installed: no plot written" in out
+    if script in STAND_IN_SCRIPTS:
+        assert re.search(r"^smoke run: '[\w ]+' is ", out, re.M), out[:3000]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only exit")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_without_smoke_exits_2_without_cuda(script, tmp_path):
+    before = _bench_dir_state()
+    proc = _run_script(script, [], tmp_path)
+    bench_common = _load_common()
+    assert proc.returncode == bench_common.NO_CUDA_EXIT_CODE == 2, proc.stdout + proc.stderr
+    stderr_lines = proc.stderr.strip().splitlines()
+    assert stderr_lines and stderr_lines[-1] == bench_common.no_cuda_message(script), proc.stderr
+    assert proc.stdout == ""
+    assert _bench_dir_state() == before
+
+
+def test_parse_args_owns_smoke_and_script_options(common):
+    def add_options(parser):
+        parser.add_argument("--dims", default="64")
+
+    args = common.parse_args("d", compile_option=True, add_options=add_options,
+                             argv=["--smoke", "--dims", "16"])
+    assert args.smoke and args.dims == "16" and not args.no_compile
+    assert os.environ["TRITON_INTERPRET"] == "1" and torch.get_num_threads() == 1
+    assert common.output_dir().name.startswith("flash_attn_bench_smoke_")
+    with pytest.raises(SystemExit):
+        common.parse_args("d", argv=["--smo"])  # no abbreviations: --smoke is spelt out
+
+
+def test_no_cuda_exit_names_the_script_and_smoke(common, monkeypatch, capsys):
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["benchmarks/benchmark_x.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        common.parse_args("d", argv=[])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert message == common.no_cuda_message("benchmark_x.py")
+    assert message.startswith("benchmark_x.py: needs a CUDA GPU") and "--smoke" in message
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    assert not common.parse_args("d", argv=[]).smoke  # with CUDA: a real run
+
+
+def test_output_dir_real_run_smoke_run_and_explicit_folder(common, monkeypatch, tmp_path, capsys):
+    assert common.output_dir() == BENCH_DIR  # before parse_args: a real run
+    common.parse_args("d", argv=["--smoke"])
+    smoke_dir = common.output_dir()
+    assert smoke_dir.parent == tmp_path and smoke_dir.name.startswith("flash_attn_bench_smoke_")
+    assert common.output_dir() == smoke_dir  # one folder per run, announced once
+    assert capsys.readouterr().out.count(str(smoke_dir)) == 1
+    explicit = tmp_path / "explicit"
+    monkeypatch.setenv("FLASH_ATTN_BENCH_OUT", str(explicit))
+    common.report("smoke table", ["a", "b"], [[1, 2.5]], notes="a note")
+    written = (explicit / "RESULTS.md").read_text()
+    assert "## smoke table" in written and "smoke run (tiny shapes, CPU)" in written
+    assert "| 1 | 2.5 |" in written and "a note" in written
+    assert "| 1 | 2.5 |" in capsys.readouterr().out
+
+
+def test_smoke_save_plot_writes_into_the_smoke_folder(common):
+    pytest.importorskip("matplotlib")
+    before = _bench_dir_state()
+    common.parse_args("d", argv=["--smoke"])
+    common.save_plot("plot.png", "t", "x", "y", {"s": ([1, 2], [3.0, 4.0])}, xticks=[1, 2])
+    assert (common.output_dir() / "plot.png").read_bytes().startswith(b"\x89PNG")
+    assert _bench_dir_state() == before
