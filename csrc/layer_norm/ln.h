@@ -108,8 +108,8 @@ struct BwdParams {
   int vecs_per_thread = 0;  // 0: the built-in choice; 1, 2: a tuning override
 };
 
-// One definition per input dtype (src/ln_{fwd,bwd}_<dtype>.cu), each covering the residual and
-// weight dtypes {input, fp32}.
+// One definition per input dtype (src/ln_{fwd,bwd}_<dtype>.cu), each covering the residual dtypes
+// {input, fp32} and the weight dtypes {fp32, the input dtype for fp16 / bf16, fp16 for fp32}.
 void run_fwd_fp32(const FwdParams& params, cudaStream_t stream);
 void run_fwd_fp16(const FwdParams& params, cudaStream_t stream);
 void run_fwd_bf16(const FwdParams& params, cudaStream_t stream);

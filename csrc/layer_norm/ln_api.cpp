@@ -2,12 +2,14 @@
 // output allocation, the Philox state, one params struct per direction. The names and argument
 // lists are flash-attn's `dropout_layer_norm` module's.
 //
-// Supported dtypes: input fp32 / fp16 / bf16 (the output has the input dtype); the residual and
-// the pre-norm sum in the input dtype or fp32; weights in the input dtype or fp32; statistics
-// always fp32. Hidden size: a multiple of 8, at most 8192.
+// Supported dtypes, flash-attn's table: input fp32 / fp16 / bf16 (the output has the input dtype);
+// the residual and the pre-norm sum in the input dtype or fp32; weights (gamma, beta, colscale and
+// their gradients) in fp32 or the input dtype, or fp16 with fp32 input (not fp16 with bf16 input);
+// arithmetic and statistics always fp32. Hidden size: a multiple of 8, at most 8192.
 
 #include <mutex>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -73,10 +75,31 @@ void check_hidden_size(int64_t cols, const char* name) {
               ", got ", cols);
 }
 
-// Residual and weights: the input dtype or fp32.
-void check_dtype_pair(at::ScalarType itype, at::ScalarType t, const char* name) {
-  TORCH_CHECK(t == itype || t == at::kFloat, "dropout_layer_norm: ", name,
-              " must have the input dtype (", itype, ") or float32, got ", t);
+// The dtypes allowed next to input dtype `itype` (the header comment's table). The kernels are
+// compiled for exactly these: run_fwd_for_input / run_bwd_for_input, whose 16-bit weight type is
+// layer_norm::Weight16 (ln_utils.cuh).
+std::vector<at::ScalarType> residual_dtypes(at::ScalarType itype) {
+  if (itype == at::kFloat) return {at::kFloat};
+  return {itype, at::kFloat};
+}
+
+std::vector<at::ScalarType> weight_dtypes(at::ScalarType itype) {
+  if (itype == at::kFloat) return {at::kFloat, at::kHalf};
+  return {itype, at::kFloat};
+}
+
+void check_dtype_pair(at::ScalarType itype, at::ScalarType t,
+                      const std::vector<at::ScalarType>& allowed, const char* name) {
+  for (const auto a : allowed) {
+    if (t == a) return;
+  }
+  std::string names;
+  for (const auto a : allowed) {
+    if (!names.empty()) names += " or ";
+    names += c10::toString(a);
+  }
+  TORCH_CHECK(false, "dropout_layer_norm: ", name, " must have dtype ", names, " with ", itype,
+              " input, got ", t);
 }
 
 void check_dropout_p(double dropout_p) {
@@ -132,9 +155,9 @@ std::vector<Tensor> fwd_impl(const Tensor& x0, const OptTensor& x1_, const OptTe
 
   const auto rtype = residual_.has_value() ? residual_->scalar_type()
                                            : (residual_in_fp32 ? at::kFloat : itype);
-  check_dtype_pair(itype, rtype, "residual");
+  check_dtype_pair(itype, rtype, residual_dtypes(itype), "residual");
   const auto wtype = gamma.scalar_type();
-  check_dtype_pair(itype, wtype, "gamma");
+  check_dtype_pair(itype, wtype, weight_dtypes(itype), "gamma");
   check_tensor(gamma, "gamma", device, wtype, {cols});
   check_opt(beta_, "beta", device, wtype, {cols});
   check_opt(gamma1_, "gamma1", device, wtype, {cols});
@@ -226,9 +249,9 @@ std::vector<Tensor> bwd_impl(const Tensor& dz, const OptTensor& dz1_, const OptT
   const auto itype = dz.scalar_type();
   to_dtype(itype, "dz");
   const auto rtype = x.scalar_type();
-  check_dtype_pair(itype, rtype, "x");
+  check_dtype_pair(itype, rtype, residual_dtypes(itype), "x");
   const auto wtype = gamma.scalar_type();
-  check_dtype_pair(itype, wtype, "gamma");
+  check_dtype_pair(itype, wtype, weight_dtypes(itype), "gamma");
   const bool subset = x0_subset_.has_value();
   TORCH_CHECK(subset == z_subset_.has_value(),
               "dropout_layer_norm: x0_subset and z_subset must be given together");

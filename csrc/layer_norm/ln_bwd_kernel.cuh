@@ -276,14 +276,16 @@ int launch_bwd(const BwdParams& p, cudaStream_t stream, bool launch) {
                : launch_bwd_kernel<I, R, W, 2, false>(p, stream, launch);
 }
 
-// The instantiation table, as in the forward: residual and weights are each I or fp32.
+// The instantiation table, as in the forward: the residual is I or fp32, the weights fp32 or
+// Weight16<I>; dgamma / dbeta / dcolscale are written in the weight type.
 template <typename I>
 int run_bwd_for_input(const BwdParams& p, cudaStream_t stream, bool launch) {
+  using W16 = typename Weight16<I>::Type;
   const bool r32 = p.rtype == DType::kFloat32, w32 = p.wtype == DType::kFloat32;
   if (r32 && w32) return launch_bwd<I, float, float>(p, stream, launch);
-  if (r32) return launch_bwd<I, float, I>(p, stream, launch);
+  if (r32) return launch_bwd<I, float, W16>(p, stream, launch);
   if (w32) return launch_bwd<I, I, float>(p, stream, launch);
-  return launch_bwd<I, I, I>(p, stream, launch);
+  return launch_bwd<I, I, W16>(p, stream, launch);
 }
 
 }  // namespace layer_norm

@@ -166,14 +166,16 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-// The instantiation table: for input dtype I, residual and weights are each I or fp32.
+// The instantiation table: for input type I, the residual is I or fp32 and the weights are fp32
+// or Weight16<I>. With fp32 input (residual fp32 too) that is two kernels: fp32 or fp16 weights.
 template <typename I>
 void run_fwd_for_input(const FwdParams& p, cudaStream_t stream) {
+  using W16 = typename Weight16<I>::Type;
   const bool r32 = p.rtype == DType::kFloat32, w32 = p.wtype == DType::kFloat32;
   if (r32 && w32) launch_fwd<I, float, float>(p, stream);
-  else if (r32) launch_fwd<I, float, I>(p, stream);
+  else if (r32) launch_fwd<I, float, W16>(p, stream);
   else if (w32) launch_fwd<I, I, float>(p, stream);
-  else launch_fwd<I, I, I>(p, stream);
+  else launch_fwd<I, I, W16>(p, stream);
 }
 
 }  // namespace layer_norm

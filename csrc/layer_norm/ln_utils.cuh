@@ -34,6 +34,13 @@ template <> struct TypeInfo<__nv_bfloat16> {
   }
 };
 
+// The 16-bit weight type paired with input type I in flash-attn's dtype table: I itself for fp16
+// / bf16 input, fp16 for fp32 input (the other weight type is always fp32). The instantiation
+// tables (run_fwd_for_input / run_bwd_for_input) compile exactly these; the binding
+// (weight_dtypes in ln_api.cpp) admits exactly these.
+template <typename I> struct Weight16 { using Type = I; };
+template <> struct Weight16<float> { using Type = __half; };
+
 template <typename T> __device__ inline float load_scalar(const void* base, int64_t i) {
   return TypeInfo<T>::to_float(static_cast<const typename TypeInfo<T>::Bits*>(base)[i]);
 }

@@ -3,11 +3,15 @@
     x = dropout(x0 * rowscale * layerscale) + residual      (the pre-norm sum, "residual" out)
     out = LayerNorm(x) * weight + bias                      (statistics in fp32)
 
-Hidden sizes: multiples of 8 up to 8192. Inputs fp16 / bf16 / fp32; the output has the input
-dtype; the residual stream (x) has the residual's dtype, or fp32 with residual_in_fp32 when there
-is no residual; weights in the input dtype or fp32. The dropout mask (uint8, 1 = kept) is saved
-for the backward and returned on request. Importing this module raises MissingExtensionError (an
-ImportError) when the extension is not built, so callers can fall back as with flash-attn.
+Hidden sizes: multiples of 8 up to 8192. Dtypes are flash-attn's: input fp16 / bf16 / fp32, and
+the output has the input dtype; the residual stream (x) has the residual's dtype (the input dtype
+or fp32), or fp32 with residual_in_fp32 when there is no residual; weights (and layerscale) fp32
+or the input dtype, and fp16 with fp32 input (fp16 weights with bf16 input are not supported);
+weight gradients come back in the weight dtype; all arithmetic is fp32. The extension checks the
+dtypes and names the argument it rejects. The dropout mask (uint8, 1 = kept) is saved for the
+backward and returned on request. The extension is loaded at the first call, so importing this
+module works without it; a call then raises MissingExtensionError (an ImportError) saying how
+to build it.
 """
 
 import torch
@@ -15,7 +19,11 @@ from torch.nn import init
 
 from flash_attn._native import load_extension
 
-dropout_layer_norm = load_extension("dropout_layer_norm")
+
+def _ext():
+    # Looked up at every call, as flash_attn_interface._cuda_ext does: a missing build fails the
+    # call that needs it, never the import of this module (nor of flash_attn.ops.rms_norm).
+    return load_extension("dropout_layer_norm")
 
 
 def _prepare(t):
@@ -46,7 +54,7 @@ def _dropout_add_layer_norm_forward(x0, residual, gamma, beta, rowscale, colscal
     # gamma of the wrong shape instead of x0 being silently regrouped into rows of gamma.numel().
     hidden_size = x0.shape[-1]
     x0mat = x0.view(-1, hidden_size)
-    zmat, xmat, dmask, mu, rsigma = dropout_layer_norm.dropout_add_ln_fwd(
+    zmat, xmat, dmask, mu, rsigma = _ext().dropout_add_ln_fwd(
         x0mat, _rows(residual, hidden_size), gamma, beta, _flat(rowscale), colscale,
         _flat(x0_subset), _flat(out_subset), dropout_p, epsilon, rowscale_const, out_numrows,
         None, residual_in_fp32, is_rms_norm,
@@ -62,7 +70,7 @@ def _dropout_add_layer_norm_backward(dz, dx, x, x0, dmask, mu, rsigma, gamma, ro
     hidden_size = x.shape[-1]
     if colscale is not None:
         assert x0 is not None, "x0 is required to compute the gradient of colscale"
-    dx0, dresidual, dgamma, dbeta, _, _, *rest = dropout_layer_norm.dropout_add_ln_bwd(
+    dx0, dresidual, dgamma, dbeta, _, _, *rest = _ext().dropout_add_ln_bwd(
         dz.view(-1, hidden_size), _rows(dx, hidden_size), x.view(-1, hidden_size),
         _rows(x0, hidden_size), dmask, mu, rsigma, gamma, _flat(rowscale), colscale,
         _flat(x0_subset), _flat(out_subset), dropout_p, rowscale_const, x0_numrows, has_residual,
@@ -79,7 +87,7 @@ def _dropout_add_layer_norm_parallel_residual_forward(x0, x1, residual, gamma0, 
     hidden_size = x0.shape[-1]  # as in _dropout_add_layer_norm_forward
     x0mat = x0.view(-1, hidden_size)
     z0, z1, xmat, dmask0, dmask1, mu, rsigma = (
-        dropout_layer_norm.dropout_add_ln_parallel_residual_fwd(
+        _ext().dropout_add_ln_parallel_residual_fwd(
             x0mat, _rows(x1, hidden_size), _rows(residual, hidden_size), gamma0, beta0, gamma1,
             beta1, dropout_p, epsilon, None, residual_in_fp32, is_rms_norm,
         )
@@ -93,7 +101,7 @@ def _dropout_add_layer_norm_parallel_residual_backward(dz0, dz1, dx, x, dmask0, 
     hidden_size = x.shape[-1]
     xmat = x.view(-1, hidden_size)
     dx0, dx1, dresidual, dgamma0, dbeta0, dgamma1, dbeta1, *_ = (
-        dropout_layer_norm.dropout_add_ln_parallel_residual_bwd(
+        _ext().dropout_add_ln_parallel_residual_bwd(
             dz0.view(xmat.shape), _rows(dz1, hidden_size), _rows(dx, hidden_size), xmat, dmask0,
             dmask1, mu, rsigma, gamma0, gamma1, dropout_p, has_x1, has_residual, is_rms_norm,
         )

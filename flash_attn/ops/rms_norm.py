@@ -1,5 +1,6 @@
 """Fused dropout + residual + RMSNorm: the functions of flash_attn.ops.layer_norm with
-out = x / sqrt(mean(x^2) + eps) * weight (+ bias), on the same `dropout_layer_norm` kernels."""
+out = x / sqrt(mean(x^2) + eps) * weight (+ bias), on the same `dropout_layer_norm` kernels, with
+the same dtypes and the same loading of the extension at the first call."""
 
 import torch
 from torch.nn import init

@@ -8,6 +8,7 @@ reference computed in the input dtype, plus a small absolute slack.
 """
 
 import importlib
+import re
 import sys
 import types
 
@@ -180,47 +181,25 @@ class FakeDropoutLayerNorm:
 # --------------------------------------------------------------------------------------------
 
 @pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
-def ln(request):
+def ln(request, monkeypatch):
     """A namespace with the layer_norm and rms_norm modules and the device they run on."""
     if request.param == "cuda":
-        yield types_ns("cuda")
-        return
-    import flash_attn.ops as ops
-
+        return types_ns("cuda")
     fake = types.ModuleType("dropout_layer_norm")
     for name in ("dropout_add_ln_fwd", "dropout_add_ln_bwd",
                  "dropout_add_ln_parallel_residual_fwd", "dropout_add_ln_parallel_residual_bwd"):
         setattr(fake, name, getattr(FakeDropoutLayerNorm, name))
-    # Import fresh copies of the wrappers bound to the fake, then put everything back so that no
-    # later import sees them.
-    keys = ["dropout_layer_norm", "flash_attn.ops.layer_norm", "flash_attn.ops.rms_norm"]
-    saved_modules = {k: sys.modules.pop(k, None) for k in keys}
-    saved_attrs = {k: getattr(ops, k, None) for k in ("layer_norm", "rms_norm")}
-    for k in saved_attrs:
-        if hasattr(ops, k):
-            delattr(ops, k)
-    sys.modules["dropout_layer_norm"] = fake
-    try:
-        yield types.SimpleNamespace(mod=importlib.import_module("flash_attn.ops.layer_norm"),
-                                    rms=importlib.import_module("flash_attn.ops.rms_norm"),
-                                    device="cpu", fake=True)
-    finally:
-        for k, module in saved_modules.items():
-            sys.modules.pop(k, None)
-            if module is not None:
-                sys.modules[k] = module
-        for k, value in saved_attrs.items():
-            if value is not None:
-                setattr(ops, k, value)
-            elif hasattr(ops, k):
-                delattr(ops, k)
+    # The wrappers look the extension up at every call, so the fake in its place for the test's
+    # duration is all it takes; monkeypatch puts the real one (or its absence) back.
+    monkeypatch.setitem(sys.modules, "dropout_layer_norm", fake)
+    return types_ns("cpu")
 
 
 def types_ns(device):
-    """The wrappers on the real extension."""
+    """The wrappers, on whichever `dropout_layer_norm` is importable when they are called."""
     return types.SimpleNamespace(mod=importlib.import_module("flash_attn.ops.layer_norm"),
                                  rms=importlib.import_module("flash_attn.ops.rms_norm"),
-                                 device=device, fake=False)
+                                 device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,7 +234,8 @@ def _backward_with_refs(targets, ref_sets):
 def reference(x0, residual, weight, bias, dropout_p, eps, rowscale=None, colscale=None,
               dmask=None, is_rms_norm=False, residual_dtype=None, fp32=True):
     """(out, pre-norm sum). fp32=True: everything in fp32. fp32=False: the input dtypes, the sum
-    rounded to residual_dtype and normalised in the weight dtype, as an unfused PyTorch would."""
+    rounded to residual_dtype and normalised in the weight dtype promoted with the input dtype,
+    as an unfused PyTorch would: the weight dtype, but fp32 for fp16 weights with fp32 input."""
     out_dtype = x0.dtype
     a = x0 * colscale if colscale is not None else x0
     if rowscale is not None:
@@ -268,8 +248,9 @@ def reference(x0, residual, weight, bias, dropout_p, eps, rowscale=None, colscal
         xin = pre
     else:
         pre = (a.float() + residual.float() if residual is not None else a).to(residual_dtype)
-        w, b = weight, bias
-        xin = pre.to(weight.dtype)
+        norm_dtype = torch.promote_types(weight.dtype, out_dtype)
+        w, b = weight.to(norm_dtype), bias.to(norm_dtype) if bias is not None else None
+        xin = pre.to(norm_dtype)
     if is_rms_norm:
         y = xin * torch.rsqrt(xin.float().square().mean(-1, keepdim=True) + eps).to(xin.dtype)
         out = y * w + b if b is not None else y * w
@@ -362,6 +343,7 @@ TYPE_COMBOS = [  # (input, residual, weight)
     (torch.bfloat16, torch.float32, torch.float32),
     (torch.bfloat16, torch.bfloat16, torch.float32),
     (torch.float16, torch.float32, torch.float16),
+    (torch.float32, torch.float32, torch.float16),
 ]
 
 
@@ -485,24 +467,29 @@ def test_dropout_add_layer_norm_subset(ln, prenorm, has_colscale, dropout_p):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [256, 1024, 3000, 8192])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float16, torch.float16),
+                                                (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.float16)])
 @pytest.mark.parametrize("is_rms_norm", [False, True])
-def test_dropout_add_layer_norm_subset_gpu(N, dtype, is_rms_norm):
+def test_dropout_add_layer_norm_subset_gpu(N, dtype, weight_dtype, is_rms_norm):
     for prenorm in (False, True):
-        run_subset(types_ns("cuda"), 8, 128, N, dtype, prenorm, True, 0.37, is_rms_norm)
+        run_subset(types_ns("cuda"), 8, 128, N, dtype, prenorm, True, 0.37, is_rms_norm,
+                   weight_dtype)
 
 
-def run_subset(ln, batch, seqlen, N, dtype, prenorm, has_colscale, dropout_p, is_rms_norm=False):
+def run_subset(ln, batch, seqlen, N, dtype, prenorm, has_colscale, dropout_p, is_rms_norm=False,
+               weight_dtype=None):
     torch.manual_seed(0)
     dev = ln.device
+    weight_dtype = weight_dtype or dtype
     drop_path_scale = 1 / 0.6
     x0_keep, x0_numrows, x0_subset = _droppath_subset(batch, seqlen, 0.6, dev)
     out_keep, out_numrows, out_subset = _droppath_subset(batch, seqlen, 0.6, dev)
     x0_full = torch.randn(batch, seqlen, N, device=dev, dtype=dtype)
     res = torch.randn(batch, seqlen, N, device=dev, dtype=dtype)
-    weight = torch.randn(N, device=dev, dtype=dtype)
-    bias = torch.randn(N, device=dev, dtype=dtype)
-    colscale = torch.randn(N, device=dev, dtype=dtype) if has_colscale else None
+    weight = torch.randn(N, device=dev, dtype=weight_dtype)
+    bias = torch.randn(N, device=dev, dtype=weight_dtype)
+    colscale = torch.randn(N, device=dev, dtype=weight_dtype) if has_colscale else None
 
     x0 = _leaf(x0_full[x0_keep])
     ours = [_leaf(t) for t in (res, weight, bias, colscale)]
@@ -556,7 +543,8 @@ def test_dropout_add_layer_norm_parallel_residual(ln, has_x1, tied_norm, dropout
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [192, 1024, 2560, 6144, 8192])
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.float16, torch.float16),
-                                                (torch.bfloat16, torch.float32)])
+                                                (torch.bfloat16, torch.float32),
+                                                (torch.float32, torch.float16)])
 @pytest.mark.parametrize("is_rms_norm", [False, True])
 @pytest.mark.parametrize("prenorm", [False, True])
 def test_dropout_add_layer_norm_parallel_residual_gpu(N, dtype, weight_dtype, is_rms_norm,
@@ -687,8 +675,18 @@ def test_bad_inputs_name_the_argument_gpu():
         big = torch.randn(2, 8200, device="cuda")
         layer_norm.dropout_add_layer_norm(big, None, torch.ones(8200, device="cuda"), None, 0.0,
                                           1e-5)
-    with pytest.raises(RuntimeError, match="gamma must have the input dtype"):
-        layer_norm.dropout_add_layer_norm(x, None, w.half(), None, 0.0, 1e-5)
+    # flash-attn's dtype table: fp16 weights go with fp32 or fp16 input, not bf16; fp32 input
+    # takes fp32 or fp16 weights and an fp32 residual only.
+    rejected = [  # (x0, residual, weight, message)
+        (x, None, w.half(), "gamma must have dtype BFloat16 or Float with BFloat16 input, "
+                            "got Half"),
+        (x.float(), None, w, "gamma must have dtype Float or Half with Float input, got BFloat16"),
+        (x.float(), x.half(), w.float(), "residual must have dtype Float with Float input, "
+                                         "got Half"),
+    ]
+    for x0, residual, weight, message in rejected:
+        with pytest.raises(RuntimeError, match=message):
+            layer_norm.dropout_add_layer_norm(x0, residual, weight, None, 0.0, 1e-5)
     with pytest.raises(RuntimeError, match="gamma must have shape"):
         layer_norm.dropout_add_layer_norm(x, None, w[:32], None, 0.0, 1e-5)
     with pytest.raises(RuntimeError, match="residual must have shape"):
@@ -711,13 +709,50 @@ def test_bad_inputs_name_the_argument_gpu():
                                1.0, 0, False)
 
 
-def test_missing_extension_is_an_import_error(monkeypatch):
-    from flash_attn._native import MissingExtensionError
-
-    monkeypatch.setitem(sys.modules, "dropout_layer_norm", None)  # import of it fails
-    monkeypatch.delitem(sys.modules, "flash_attn.ops.layer_norm", raising=False)
+@pytest.fixture
+def modules_without_extension(monkeypatch):
+    """Fresh imports of flash_attn.ops.layer_norm and .rms_norm where `dropout_layer_norm` cannot
+    be imported (also on a machine where it is built); monkeypatch puts everything back."""
     import flash_attn.ops as ops
 
-    monkeypatch.setattr(ops, "layer_norm", None, raising=False)
-    with pytest.raises(MissingExtensionError, match="dropout_layer_norm"):
-        importlib.import_module("flash_attn.ops.layer_norm")
+    for name in ("layer_norm", "rms_norm"):
+        importlib.import_module(f"flash_attn.ops.{name}")
+        monkeypatch.delitem(sys.modules, f"flash_attn.ops.{name}")
+        monkeypatch.setattr(ops, name, getattr(ops, name, None), raising=False)
+    monkeypatch.setitem(sys.modules, "dropout_layer_norm", None)  # import of it fails
+    return types.SimpleNamespace(mod=importlib.import_module("flash_attn.ops.layer_norm"),
+                                 rms=importlib.import_module("flash_attn.ops.rms_norm"))
+
+
+def test_modules_import_without_the_extension(modules_without_extension):
+    from flash_attn._native import extension_available
+
+    assert not extension_available("dropout_layer_norm")
+    # The fixture's imports succeeded; what they return is usable without the extension.
+    assert modules_without_extension.mod.DropoutAddLayerNorm(64).weight.shape == (64,)
+    assert modules_without_extension.rms.RMSNorm(64).bias is None
+
+
+_X, _W = torch.linspace(-1.0, 1.0, 256).view(4, 64), torch.ones(64)
+_SUBSET = torch.ones(4, dtype=torch.int32)
+CALLS_WITHOUT_EXTENSION = {
+    "dropout_add_layer_norm": lambda m: m.mod.dropout_add_layer_norm(_X, _X, _W, None, 0.0, 1e-5),
+    "dropout_add_layer_norm_subset": lambda m: m.mod.dropout_add_layer_norm_subset(
+        _X, _X, _W, None, 0.0, 1e-5, x0_subset=_SUBSET, out_subset=_SUBSET, out_numrows=1),
+    "dropout_add_layer_norm_parallel_residual": (
+        lambda m: m.mod.dropout_add_layer_norm_parallel_residual(_X, _X, _X, _W, None, _W, None,
+                                                                 0.0, 1e-5)),
+    "DropoutAddLayerNorm": lambda m: m.mod.DropoutAddLayerNorm(64)(_X, _X),
+    "rms_norm": lambda m: m.rms.rms_norm(_X, _W, 1e-5),
+    "dropout_add_rms_norm": lambda m: m.rms.dropout_add_rms_norm(_X, _X, _W, None, 0.0, 1e-5),
+    "RMSNorm": lambda m: m.rms.RMSNorm(64)(_X),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS_WITHOUT_EXTENSION))
+def test_call_without_the_extension_says_how_to_build(modules_without_extension, call):
+    from flash_attn._native import BUILD_HINT, MissingExtensionError
+
+    missing = re.escape("`dropout_layer_norm` is not built") + ".*" + re.escape(BUILD_HINT)
+    with pytest.raises(MissingExtensionError, match=missing):
+        CALLS_WITHOUT_EXTENSION[call](modules_without_extension)

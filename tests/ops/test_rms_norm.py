@@ -59,7 +59,8 @@ def test_rms_norm(ln, dtype):
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32),
                                                 (torch.float16, torch.float16),
                                                 (torch.bfloat16, torch.bfloat16),
-                                                (torch.bfloat16, torch.float32)])
+                                                (torch.bfloat16, torch.float32),
+                                                (torch.float32, torch.float16)])
 def test_rms_norm_gpu(N, dtype, weight_dtype):
     run_rms_norm(_ln_tests.types_ns("cuda"), (4, 513, N), dtype, weight_dtype)
 

@@ -1,4 +1,4 @@
-// Backward kernels with fp32 input (residual and weights: fp32 or fp32; see run_bwd_for_input).
+// Backward kernels with fp32 input (residual fp32; weights fp32 or fp16; see run_bwd_for_input).
 #include "ln_bwd_kernel.cuh"
 
 namespace layer_norm {

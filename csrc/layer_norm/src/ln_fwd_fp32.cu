@@ -1,4 +1,4 @@
-// Forward kernels with fp32 input (residual and weights: fp32 or fp32; see run_fwd_for_input).
+// Forward kernels with fp32 input (residual fp32; weights fp32 or fp16; see run_fwd_for_input).
 #include "ln_fwd_kernel.cuh"
 
 namespace layer_norm {
