@@ -4,6 +4,9 @@ in-place forms for packed qkv / kv tensors, a PyTorch reference and the RotaryEm
 Backward passes rotate the incoming gradient by minus the angle (the rotation is orthogonal), into
 a new tensor: rotating a gradient in place could corrupt a buffer that autograd shares with
 another branch of the graph.
+
+The kernel is reached through torch.library ops (flash_attn.ops.triton.rotary), so every function
+here, the in-place ones included, also runs under torch.compile (fullgraph=True as well).
 """
 
 from typing import Optional, Tuple, Union
@@ -108,10 +111,10 @@ def _packed_views(qkv, num_heads_q):
                              f"{tuple(qkv.shape)}")
         b, s, _, h, d = qkv.shape
         q, k, v = qkv.unbind(dim=2)
-        qk = None
-        if qkv.stride(2) == h * qkv.stride(3):
-            qk = qkv.as_strided((b, s, 2 * h, d), (qkv.stride(0), qkv.stride(1), qkv.stride(3),
-                                                   qkv.stride(4)), qkv.storage_offset())
+        # q and k are one run of 2 * h heads when the qkv axis steps over exactly h heads. A view,
+        # not as_strided(..., storage_offset()): torch.compile cannot put storage_offset() in a
+        # graph, and a graph break inside the in-place Function breaks compiling it.
+        qk = qkv[:, :, :2].view(b, s, 2 * h, d) if qkv.stride(2) == h * qkv.stride(3) else None
         return q, k, v, qk
     if qkv.dim() != 4 or num_heads_q is None:
         raise ValueError("qkv must be (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, "
