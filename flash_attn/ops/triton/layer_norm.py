@@ -279,6 +279,26 @@ def _layer_norm_bwd_kernel(
 # Launchers
 # --------------------------------------------------------------------------------------------
 
+def maybe_contiguous(x):
+    """flash-attn 2.8's helper: x made contiguous, or None."""
+    return x.contiguous() if x is not None else None
+
+
+def maybe_contiguous_lastdim(x):
+    """flash-attn 2.8's helper: x with a contiguous last dimension, or None."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def triton_autotune_configs():
+    """flash-attn 2.8's autotuning space of these kernels: one config per warp count (1 to 32)
+    that fits a block of 1024 threads of the current device (warps of 32 without CUDA)."""
+    warp_size = 32
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        warp_size = getattr(props, "warp_size", 32) or 32
+    return [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8, 16, 32) if w * warp_size <= 1024]
+
+
 def _block_n(x, N):
     # The row lives in registers: at most 64 KB of input per row.
     max_block = 65536 // x.element_size()

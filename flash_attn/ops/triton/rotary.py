@@ -91,6 +91,9 @@ def _rotary_kernel(
         tl.store(o_row + rt * stride_out_d, t, mask=mask)
 
 
+# flash-attn 2.8's name of the kernel.
+rotary_kernel = _rotary_kernel
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
