@@ -101,9 +101,13 @@ def cutlass_include_dir():
 def use_host_compiler():
     """Exports CXX and CC (nvcc's host compiler too) as csrc/host_compiler.py chooses them."""
     import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    def probe(cxx):
+        return host_compiler.throw_probe(cxx, include_paths(), library_paths()[0], sys.executable)
 
     try:
-        choice = host_compiler.choose(torch.__config__.show(), dict(os.environ))
+        choice = host_compiler.choose(torch.__config__.show(), dict(os.environ), probe=probe)
     except host_compiler.HostCompilerError as err:
         sys.exit(f"flash_attn: {err}")
     os.environ["CXX"], os.environ["CC"] = choice.cxx, choice.cc
