@@ -211,6 +211,17 @@ def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False,
                          seqlen_offsets: Union[int, torch.Tensor] = 0):
     """Rotary embedding, in place, on k of a packed kv (b, s, 2, nheads_k, headdim); v untouched.
     Returns kv."""
+    if torch.compiler.is_compiling():
+        # Under torch.compile, k is rotated out of place and copied back with a plain in-place
+        # copy, which autograd tracks through kv itself: callers may drop the returned tensor and
+        # keep using kv (seen on torch 2.11 + CUDA: the compiled in-place Function's gradient
+        # went wrong for such callers).
+        if kv.dim() != 5 or kv.shape[2] != 2:
+            raise ValueError("kv must be (batch, seqlen, 2, nheads_k, headdim), got "
+                             f"{tuple(kv.shape)}")
+        kv[:, :, 0].copy_(apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved=interleaved,
+                                           seqlen_offsets=seqlen_offsets))
+        return kv
     return ApplyRotaryEmbKV_.apply(kv, cos, sin, interleaved, seqlen_offsets)
 
 
