@@ -119,13 +119,18 @@ def throw_probe(cxx, torch_include_dirs, torch_library_dir, python):
     with tempfile.TemporaryDirectory(prefix="flash_attn_probe_") as tmp:
         source, library = Path(tmp) / "probe.cpp", Path(tmp) / "probe.so"
         source.write_text(PROBE_SOURCE)
-        command = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", str(source), "-o", str(library),
-                   *[f"-I{d}" for d in torch_include_dirs], f"-L{torch_library_dir}", "-lc10",
-                   f"-Wl,-rpath,{torch_library_dir}"]
-        try:
-            built = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            return False, f"could not build the probe ({error})"
+        built = None
+        # PyTorch's headers ask for C++20 from 2.13 on, C++17 before.
+        for standard in ("c++20", "c++17"):
+            command = [cxx, f"-std={standard}", "-O1", "-fPIC", "-shared", str(source), "-o",
+                       str(library), *[f"-I{d}" for d in torch_include_dirs],
+                       f"-L{torch_library_dir}", "-lc10", f"-Wl,-rpath,{torch_library_dir}"]
+            try:
+                built = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.TimeoutExpired) as error:
+                return False, f"could not build the probe ({error})"
+            if built.returncode == 0:
+                break
         if built.returncode != 0:
             return False, f"could not build the probe: {built.stderr.strip().splitlines()[-1:]}"
         code = ("import ctypes, sys, torch\n"
