@@ -625,12 +625,196 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """KV-cache decoding. Not implemented yet: its split-KV kernels come in a later issue."""
-    raise NotImplementedError(
-        "flash_attn: flash_attn_with_kvcache is not implemented in this build yet (its split-KV "
-        "decoding kernels are a separate piece of work); use flash_attn_func or "
-        "flash_attn_varlen_func with block_table for now."
-    )
+    """Attention of q over a KV cache, appending new keys first: decoding and chunked prefill.
+
+    q: (batch, seqlen_q, nheads, headdim), headdim a multiple of 8 (at most 256).
+    k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with block_table
+        (batch, max_blocks) int32 a paged cache (num_blocks, page_block_size, nheads_k, headdim),
+        page_block_size any multiple of 16. nheads divisible by nheads_k (GQA/MQA).
+    k, v: optional (batch, seqlen_new, nheads_k, headdim): written into the cache in place at
+        positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, after rotary.
+    rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), seqlen_ro at least the cache
+        length; need k and v. New keys are rotated at their cache positions; q at positions
+        cache_seqlens[b] + i when causal or local, else every query at cache_seqlens[b].
+        rotary_interleaved: rotate pairs (0, 1), (2, 3), ... instead of the two halves.
+    cache_seqlens: int or (batch,) int32: keys already in the cache (0 if None).
+    cache_batch_idx: optional (batch,) int32: the cache row of each batch entry (not paged).
+    cache_leftpad: optional (batch,) int32: the cache row's keys start there (left padding).
+    causal / window_size / softcap / alibi_slopes: as in flash_attn_func, with the mask aligned to
+        the bottom-right corner of (seqlen_q, keys of the entry).
+    num_splits: CTAs sharing one (query block, head)'s key range (split-KV); 0 chooses from the
+        GPU's occupancy, 1 disables splitting.
+    Returns out (batch, seqlen_q, nheads, headdim), plus softmax_lse (batch, nheads, seqlen_q)
+    with return_softmax_lse. No backward.
+    """
+    cache_seqlens = _check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                        cache_seqlens, cache_batch_idx, cache_leftpad,
+                                        block_table, causal, window_size, softcap, alibi_slopes,
+                                        num_splits)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** (-0.5)
+    window_left, window_right = _normalize_window(window_size, causal)
+    local = window_left >= 0 or window_right >= 0
+    if rotary_cos is not None:
+        q = _rotate_queries(q, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
+                            per_token=causal or local)
+    seqlens_k = cache_seqlens
+    if k is not None:
+        if rotary_cos is not None:
+            from flash_attn.ops.triton.rotary import apply_rotary
+
+            k = apply_rotary(k, rotary_cos, rotary_sin, seqlen_offsets=cache_seqlens,
+                             interleaved=rotary_interleaved)
+        _append_to_cache(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        seqlens_k = cache_seqlens + k.shape[1]
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    num_heads_k = k_cache.shape[2]
+    # One query against a GQA group: the group's heads become its rows (seqlen_q = group size,
+    # heads = nheads_k), so each K/V tile is read once per KV head. Needs masks and biases that
+    # are the same for every row: no window, no ALiBi (causal is void with one query).
+    swap = seqlen_q == 1 and num_heads > num_heads_k and not local and alibi_slopes is None
+    if swap:
+        group = num_heads // num_heads_k
+        q = q.reshape(batch, num_heads_k, group, head_dim).transpose(1, 2)
+        causal, window_right = False, -1
+    out, softmax_lse = torch.ops.flash_attn._flash_attn_kvcache_forward(
+        q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+        softmax_scale, causal, window_left, window_right, softcap, num_splits)
+    if swap:
+        out = out.transpose(1, 2).reshape(batch, 1, num_heads, head_dim)
+        softmax_lse = softmax_lse.transpose(1, 2).reshape(batch, num_heads, 1)
+    return (out, softmax_lse) if return_softmax_lse else out
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_kvcache_forward", mutates_args=(),
+                         device_types="cuda")
+def _flash_attn_kvcache_forward(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
+    cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+    softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+    softcap: float, num_splits: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, softmax_lse = _cuda_ext().fwd_kvcache(
+        q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+        None, softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits)
+    return out, softmax_lse
+
+
+@_flash_attn_kvcache_forward.register_fake
+def _(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+      softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits):
+    batch, seqlen_q, num_heads, _ = q.shape
+    return (torch.empty_like(q),
+            q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32))
+
+
+def _check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                        cache_batch_idx, cache_leftpad, block_table, causal, window_size, softcap,
+                        alibi_slopes, num_splits):
+    """Every argument check of flash_attn_with_kvcache; returns cache_seqlens as a (batch,) int32
+    tensor."""
+    paged = block_table is not None
+    _check_attention_args(q, k_cache, v_cache, varlen=False, alibi_slopes=alibi_slopes,
+                          block_table=block_table, window_size=window_size, softcap=softcap,
+                          names=("q", "k_cache", "v_cache"))
+    batch, _, _, head_dim = q.shape
+    num_heads_k = k_cache.shape[2]
+    if head_dim % 8 != 0:
+        _fail("q", "of a head dim that is a multiple of 8 (the cache cannot be padded in place)",
+              head_dim)
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if (k is None) != (v is None):
+        _fail("k and v", "given together", f"k {'None' if k is None else 'given'}, v "
+              f"{'None' if v is None else 'given'}")
+    if k is not None:
+        shape = (batch, k.shape[1] if k.dim() == 4 else -1, num_heads_k, head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != shape:
+                _fail(name, f"(batch, seqlen_new, nheads_k, headdim) = {shape}",
+                      f"shape {tuple(getattr(t, 'shape', ()))}")
+            if t.dtype != q.dtype or t.device != q.device:
+                _fail(name, f"{q.dtype} on {q.device} like q", f"{t.dtype} on {t.device}")
+    if rotary_cos is not None or rotary_sin is not None:
+        if k is None:
+            _fail("rotary_cos", "given with the new k and v it rotates", "no k")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if (not isinstance(t, torch.Tensor) or t.dim() != 2 or 2 * t.shape[1] > head_dim
+                    or t.device != q.device):
+                _fail(name, f"a 2-D (seqlen_ro, rotary_dim / 2) tensor on {q.device}, "
+                      f"rotary_dim <= {head_dim}", f"{getattr(t, 'shape', t)}")
+        if rotary_cos.shape != rotary_sin.shape:
+            _fail("rotary_sin", f"of rotary_cos's shape {tuple(rotary_cos.shape)}",
+                  tuple(rotary_sin.shape))
+        if rotary_cos.shape[0] < capacity:
+            _fail("rotary_cos", f"at least the cache's {capacity} positions long",
+                  rotary_cos.shape[0])
+    if cache_seqlens is None:
+        cache_seqlens = 0
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity:
+            _fail("cache_seqlens", f"in [0, {capacity}]", cache_seqlens)
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    for name, t, shape in (("cache_seqlens", cache_seqlens, (batch,)),
+                           ("cache_batch_idx", cache_batch_idx, (batch,)),
+                           ("cache_leftpad", cache_leftpad, (batch,))):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32
+                              or tuple(t.shape) != shape or t.device != q.device):
+            _fail(name, f"an int32 tensor of shape {shape} on {q.device}",
+                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if paged and cache_batch_idx is not None:
+        _fail("cache_batch_idx", "None with block_table (the table maps batch entries)", "a tensor")
+    if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
+        _fail("k_cache", f"at least q's {batch} batch rows", k_cache.shape[0])
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        _fail("num_splits", "an int >= 0 (0: chosen automatically)", num_splits)
+    if _host_checks_enabled():
+        new = 0 if k is None else k.shape[1]
+        lengths = cache_seqlens.tolist()
+        if any(n < 0 or n + new > capacity for n in lengths):
+            _fail("cache_seqlens", f"in [0, {capacity - new}] (the cache holds {capacity}, "
+                  f"{new} are appended)", lengths)
+        if cache_leftpad is not None and any(p < 0 or p > n for p, n in
+                                             zip(cache_leftpad.tolist(), lengths)):
+            _fail("cache_leftpad", "in [0, cache_seqlens]", cache_leftpad.tolist())
+        if cache_batch_idx is not None and any(not 0 <= i < k_cache.shape[0]
+                                               for i in cache_batch_idx.tolist()):
+            _fail("cache_batch_idx", f"rows in [0, {k_cache.shape[0]})", cache_batch_idx.tolist())
+        if paged:
+            used = [row[: -(-(n + new) // k_cache.shape[1])]
+                    for row, n in zip(block_table.tolist(), lengths)]
+            if any(not 0 <= blk < k_cache.shape[0] for row in used for blk in row):
+                _fail("block_table", f"block indices in [0, {k_cache.shape[0]})", used)
+    return cache_seqlens
+
+
+def _rotate_queries(q, cos, sin, cache_seqlens, interleaved, per_token):
+    """q rotated at positions cache_seqlens[b] + i (per_token), else all at cache_seqlens[b]."""
+    from flash_attn.ops.triton.rotary import apply_rotary
+
+    if per_token:
+        return apply_rotary(q, cos, sin, seqlen_offsets=cache_seqlens, interleaved=interleaved)
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    # Every query at one position: fold the queries into the head axis of a single-token tensor.
+    folded = q.reshape(batch, 1, seqlen_q * num_heads, head_dim)
+    rotated = apply_rotary(folded, cos, sin, seqlen_offsets=cache_seqlens, interleaved=interleaved)
+    return rotated.view(batch, seqlen_q, num_heads, head_dim)
+
+
+def _append_to_cache(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    """k, v (batch, seqlen_new, h_k, d) into the caches at rows cache_seqlens[b] + i, in place."""
+    batch, seqlen_new = k.shape[:2]
+    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k.device)
+    if block_table is not None:
+        page = k_cache.shape[1]
+        blocks = torch.gather(block_table.long(), 1, positions // page)
+        index = (blocks, positions % page)
+    else:
+        rows = (torch.arange(batch, device=k.device) if cache_batch_idx is None
+                else cache_batch_idx.long())
+        index = (rows[:, None].expand(batch, seqlen_new), positions)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
 
 
 # The forward's key-block size per kernel head dim, without and with dropout: the mirror of
