@@ -6,7 +6,8 @@ CUDA build of PyTorch and nvcc are available, and installs the Python package al
 Environment knobs (all optional):
   FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE  install the Python package alone
   FLASH_ATTN_CUDA_ARCHS="80;90"         compute capabilities (default: the visible GPU's, else 80;90)
-  FLASH_ATTN_HDIMS="64,128"             attention head dims to build (default: all); a head dim that
+  FLASH_ATTN_HDIMS="64,128"             attention head dims to build, or "all" (default: 64,128,192,256
+                                        for sm_90 alone, else all; see generate_kernels.py); a head dim that
                                         was not built runs on the next larger one that was
   FLASH_ATTN_DTYPES="bf16"              attention dtypes to build (default: fp16,bf16)
   FLASH_ATTN_EXTENSIONS="fused_dense_lib,dropout_layer_norm"  extensions to build (default: all)
@@ -101,9 +102,13 @@ def cutlass_include_dir():
 def use_host_compiler():
     """Exports CXX and CC (nvcc's host compiler too) as csrc/host_compiler.py chooses them."""
     import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    def probe(cxx):
+        return host_compiler.throw_probe(cxx, include_paths(), library_paths()[0], sys.executable)
 
     try:
-        choice = host_compiler.choose(torch.__config__.show(), dict(os.environ))
+        choice = host_compiler.choose(torch.__config__.show(), dict(os.environ), probe=probe)
     except host_compiler.HostCompilerError as err:
         sys.exit(f"flash_attn: {err}")
     os.environ["CXX"], os.environ["CC"] = choice.cxx, choice.cc
@@ -153,11 +158,13 @@ def cuda_archs():
     return archs
 
 
-def attention_sources(folder):
-    """Generated instantiation units of the attention kernels selected by FLASH_ATTN_HDIMS/DTYPES."""
+def attention_sources(folder, archs):
+    """Generated instantiation units of the attention kernels selected by FLASH_ATTN_HDIMS/DTYPES
+    (default: generate_kernels.default_head_dims for the archs; "all": every head dim)."""
     generator = load_module("generate_kernels", f"{folder}/generate_kernels.py")
     all_hdims, all_dtypes = generator.HEAD_DIMS, tuple(generator.DTYPES)  # the kernel set lives there
-    hdims = sorted(int(d) for d in env_list("FLASH_ATTN_HDIMS", all_hdims))
+    requested = env_list("FLASH_ATTN_HDIMS", generator.default_head_dims(archs))
+    hdims = sorted(int(d) for d in (all_hdims if requested == ["all"] else requested))
     dtypes = env_list("FLASH_ATTN_DTYPES", all_dtypes)
     unknown = [d for d in hdims if d not in all_hdims] + [t for t in dtypes if t not in all_dtypes]
     if unknown or not hdims or not dtypes:
@@ -234,7 +241,9 @@ def cuda_extensions():
             system_includes += [flag for d in inc for flag in ("-isystem", d)]
             library_dirs += lib
         if row.get("attention"):
-            units, extra_objects = split_prebuilt(attention_sources(folder), folder, cutlass_include_dir(), key_flags)
+            units, extra_objects = split_prebuilt(attention_sources(folder, archs), folder,
+                                                  cutlass_include_dir(), key_flags)
+            print(f"flash_attn: {len(units) + len(extra_objects)} attention kernel units")
             sources += units
         extensions.append(
             CUDAExtension(

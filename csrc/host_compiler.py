@@ -1,10 +1,14 @@
-"""Which host C++ compiler builds the extensions: a GCC of the major version PyTorch was built with.
+"""Which host C++ compiler builds the extensions: one PyTorch's C++ errors can cross.
 
-An extension compiled by another GCC than PyTorch's can die with SIGSEGV whenever C++ throws
-(seen on the GPU machine, whose CXX names another GCC than the system one), instead of the error
-reaching Python as a RuntimeError: the exception crosses between the extension and libc10, so both
-must agree on the C++ runtime. setup.py calls choose() and exports the choice as CXX and CC (CC is
-also nvcc's host compiler through torch's -ccbin).
+An extension built with the wrong toolchain can die with SIGSEGV whenever C++ throws, instead of
+the error reaching Python as a RuntimeError (seen on the GPU machine: its CXX is a GCC 13.3 of
+PyTorch's own major version, but a wrapper linking its own runtime files, and every TORCH_CHECK
+failure crashed; the system g++ 13 worked). The exception is thrown in libc10 and caught in the
+extension, so both must agree on the C++ runtime. A compiler qualifies when it is a GCC of the
+major version PyTorch was built with and passes the exception probe: a small shared library built
+with it like an extension catches a TORCH_CHECK error thrown by libc10, in a fresh interpreter.
+setup.py calls choose() and exports the choice as CXX and CC (CC is also nvcc's host compiler
+through torch's -ccbin).
 """
 
 import os
@@ -94,8 +98,49 @@ def _describe(compiler):
     return f"{compiler.family} {compiler.version}" if compiler else "not a working C++ compiler"
 
 
-def choose(torch_config, env):
-    """The host compiler for the build, or HostCompilerError saying why there is none."""
+PROBE_SOURCE = r"""
+#include <c10/util/Exception.h>
+extern "C" int flash_attn_throw_probe() {
+    try {
+        TORCH_CHECK(false, "flash_attn host compiler probe");
+    } catch (const c10::Error &) {
+        return 1;
+    }
+    return 0;
+}
+"""
+
+
+def throw_probe(cxx, torch_include_dirs, torch_library_dir, python):
+    """(True, "") when a shared library built by cxx (compiled and linked as torch links an
+    extension) catches a TORCH_CHECK error raised in libc10; else (False, what went wrong)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="flash_attn_probe_") as tmp:
+        source, library = Path(tmp) / "probe.cpp", Path(tmp) / "probe.so"
+        source.write_text(PROBE_SOURCE)
+        command = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", str(source), "-o", str(library),
+                   *[f"-I{d}" for d in torch_include_dirs], f"-L{torch_library_dir}", "-lc10",
+                   f"-Wl,-rpath,{torch_library_dir}"]
+        try:
+            built = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return False, f"could not build the probe ({error})"
+        if built.returncode != 0:
+            return False, f"could not build the probe: {built.stderr.strip().splitlines()[-1:]}"
+        code = ("import ctypes, sys, torch\n"
+                f"sys.exit(0 if ctypes.CDLL({str(library)!r}).flash_attn_throw_probe() == 1 else 3)")
+        ran = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+    if ran.returncode == 0:
+        return True, ""
+    if ran.returncode < 0:
+        return False, f"a C++ error thrown through PyTorch killed the process (signal {-ran.returncode})"
+    return False, f"the probe did not catch PyTorch's C++ error (exit {ran.returncode})"
+
+
+def choose(torch_config, env, probe=None):
+    """The host compiler for the build, or HostCompilerError saying why there is none. probe(cxx)
+    -> (ok, why not) is run on each GCC of the right major version (throw_probe in setup.py)."""
     wanted = torch_gcc_major(torch_config)
     given = env.get("CXX")
     given_path = shutil.which(given, path=env.get("PATH")) if given else None
@@ -105,19 +150,29 @@ def choose(torch_config, env):
         why = f"{SKIP_CHECK_VAR} is set" if skip else "PyTorch's build names no GCC version"
         return Choice(cxx, _c_sibling(cxx),
                       f"host compiler {cxx} ({_describe(identify(cxx))}), unchecked: {why}")
+    rejected = {}  # path -> why
     for path in _candidates(env, wanted):
         found = identify(path)
-        if found is not None and found.family == "gcc" and found.major == wanted:
-            note = ""
-            if given and (given_path is None or os.path.realpath(given_path) != os.path.realpath(path)):
-                note = f"; CXX={given} ({_describe(identify(given_path or given))}) was not used"
-            return Choice(path, _c_sibling(path),
-                          f"host compiler {path} (GCC {found.version}), the GCC major version "
-                          f"PyTorch was built with{note}")
-    cxx_part = (f"CXX={given} is {_describe(identify(given_path or given))}" if given
-                else "CXX is not set")
+        if found is None or found.family != "gcc" or found.major != wanted:
+            rejected[path] = f"{_describe(found)}, not GCC {wanted}"
+            continue
+        ok, why = probe(path) if probe is not None else (True, "")
+        if not ok:
+            rejected[path] = f"GCC {found.version}, but {why}"
+            continue
+        note = ""
+        if given and (given_path is None or os.path.realpath(given_path) != os.path.realpath(path)):
+            reason = rejected.get(given_path) or _describe(identify(given_path or given))
+            note = f"; CXX={given} was not used ({reason})"
+        checked = " that passed the exception probe" if probe is not None else ""
+        return Choice(path, _c_sibling(path),
+                      f"host compiler {path} (GCC {found.version}), of the GCC major version "
+                      f"PyTorch was built with{checked}{note}")
+    cxx_part = (f"CXX={given} is {rejected.get(given_path) or _describe(identify(given_path or given))}"
+                if given else "CXX is not set")
+    others = "; ".join(f"{p}: {why}" for p, why in rejected.items() if p != given_path)
     raise HostCompilerError(
-        f"no GCC {wanted} found, the GCC major version PyTorch was built with: {cxx_part}, and "
-        f"no g++-{wanted}, g++ or c++ on PATH is GCC {wanted}. An extension built by another "
-        f"compiler can crash (SIGSEGV) whenever C++ raises an error. Install GCC {wanted} and "
-        f"point CXX at its g++, or set {SKIP_CHECK_VAR}=1 to build with CXX anyway.")
+        f"no usable GCC {wanted} (the GCC major version PyTorch was built with) found: {cxx_part}"
+        f"{'; ' + others if others else ''}. An extension built by such a compiler can crash "
+        f"(SIGSEGV) whenever C++ raises an error. Install GCC {wanted} and point CXX at its g++, "
+        f"or set {SKIP_CHECK_VAR}=1 to build with CXX anyway.")

@@ -33,10 +33,12 @@ NAMES = {
                                  "apply_rotary_emb_qkv_", "ApplyRotaryEmbKV_",
                                  "apply_rotary_emb_kv_", "RotaryEmbedding"],
     "flash_attn.layers.patch_embed": ["PatchEmbed"],
-    "flash_attn.ops.triton.rotary": ["apply_rotary"],
+    "flash_attn.ops.triton.rotary": ["apply_rotary", "rotary_kernel"],
     "flash_attn.ops.triton.layer_norm": ["layer_norm_ref", "rms_norm_ref", "layer_norm_fn",
                                          "rms_norm_fn", "LayerNormFn", "RMSNorm",
-                                         "LayerNormLinearFn", "layer_norm_linear_fn"],
+                                         "LayerNormLinearFn", "layer_norm_linear_fn",
+                                         "triton_autotune_configs", "maybe_contiguous",
+                                         "maybe_contiguous_lastdim"],
     "flash_attn.ops.triton.cross_entropy": ["cross_entropy_loss", "CrossEntropyLoss"],
     "flash_attn.losses.cross_entropy": ["CrossEntropyLoss"],
     "flash_attn.ops.activations": ["bias_gelu", "bias_gelu_back", "gelu_fwd", "gelu_bwd",
@@ -46,7 +48,8 @@ NAMES = {
     "flash_attn.ops.fused_dense": ["FusedDenseFunc", "fused_dense_func", "FusedDense",
                                    "ColumnParallelLinear", "RowParallelLinear", "FusedMLPFunc",
                                    "fused_mlp_func", "FusedMLP", "ParallelFusedMLP"],
-    "flash_attn.ops.layer_norm": ["DropoutAddLayerNormFn", "DropoutAddLayerNormParallelResidualFn",
+    "flash_attn.ops.layer_norm": ["DropoutAddLayerNormFn", "DropoutAddLayerNormSubsetFn",
+                                  "DropoutAddLayerNormParallelResidualFn",
                                   "layer_norm", "dropout_add_layer_norm",
                                   "dropout_add_layer_norm_subset",
                                   "dropout_add_layer_norm_parallel_residual",
@@ -191,3 +194,30 @@ def test_private_ops_called_as_ring_attention_libraries_do():
     flat = [t.detach().reshape(256, 4, 64) for t in (q, k, v)]
     out_varlen, *_ = fai._flash_attn_varlen_forward(*flat, cu, cu, 128, 128, 0.0, 0.125, True)
     torch.testing.assert_close(out_varlen.reshape_as(out), out, rtol=0, atol=0)
+
+
+def test_triton_layer_norm_helpers():
+    import triton
+
+    from flash_attn.ops.triton.layer_norm import triton_autotune_configs
+
+    configs = triton_autotune_configs()
+    assert configs and all(isinstance(c, triton.Config) for c in configs)
+    assert [c.num_warps for c in configs] == [1, 2, 4, 8, 16, 32]
+
+
+@pytest.mark.gpu
+def test_subset_fn_under_flash_attn_argument_order():
+    from flash_attn.ops.layer_norm import DropoutAddLayerNormSubsetFn, dropout_add_layer_norm_subset
+
+    torch.manual_seed(0)
+    x0 = torch.randn(6, 64, device="cuda", dtype=torch.float16)
+    residual = torch.randn(4, 64, device="cuda", dtype=torch.float16)
+    gamma, beta = torch.randn(64, device="cuda"), torch.randn(64, device="cuda")
+    x0_subset = torch.tensor([1, 0, 6, 3], device="cuda", dtype=torch.int32)
+    out_subset = torch.tensor([2, 1, 0, 3], device="cuda", dtype=torch.int32)
+    ours = DropoutAddLayerNormSubsetFn.apply(x0, residual, gamma, beta, None, x0_subset, out_subset,
+                                             0.0, 1e-5, 0.5, 3)
+    theirs = dropout_add_layer_norm_subset(x0, residual, gamma, beta, 0.0, 1e-5, x0_subset=x0_subset,
+                                           out_subset=out_subset, rowscale_const=0.5, out_numrows=3)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

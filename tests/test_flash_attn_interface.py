@@ -351,23 +351,32 @@ def test_torch_compile_fullgraph():
 
 
 @gpu
-def test_block_size_n_matches_kernel_table():
-    assert _get_block_size_n(DEVICE, 128, False, True) == 64
-    assert _get_block_size_n(DEVICE, 64, False, False) == 128
-    assert _get_block_size_n(DEVICE, 256, True, False) == 32
-    assert _get_block_size_n(DEVICE, 224, True, False) == 64
+def test_block_size_n_follows_the_kernel_that_runs_the_head_dim():
+    from flash_attn._native import extension_available
+    from flash_attn.flash_attn_interface import _FORWARD_KEY_BLOCK, _cuda_ext
+
+    for head_dim in (32, 40, 64, 96, 111, 128, 160, 192, 224, 256):
+        for dropout in (False, True):
+            if extension_available("flash_attn_2_cuda"):
+                kernel = _cuda_ext().kernel_head_dim((head_dim + 7) // 8 * 8)
+            else:  # every kernel of the table
+                kernel = min(d for d in _FORWARD_KEY_BLOCK if d >= head_dim)
+            assert _get_block_size_n(DEVICE, head_dim, dropout, True) == \
+                _FORWARD_KEY_BLOCK[kernel][int(dropout)], (head_dim, dropout)
+    assert _FORWARD_KEY_BLOCK[128] == (64, 32) and _FORWARD_KEY_BLOCK[64] == (128, 64)
 
 
 def test_block_size_n_mirrors_tile_sizes_h():
-    """_get_block_size_n is the Python mirror of the forward tile table in tile_sizes.h."""
+    """_FORWARD_KEY_BLOCK is the Python mirror of the forward tile table in tile_sizes.h."""
     import re
     from pathlib import Path
+
+    from flash_attn.flash_attn_interface import _FORWARD_KEY_BLOCK
+
     header = (Path(__file__).resolve().parents[1] / "csrc/flash_attn/src/tile_sizes.h").read_text()
     rows = re.findall(r"^FLASH_FWD_TILE\((\d+), (\d+), (\d+), (\d+), (\d+)\)", header, re.M)
     assert len(rows) == 8
-    for d, _, n, _, n_dropout in rows:
-        assert _get_block_size_n("cpu", int(d), False, False) == int(n), d
-        assert _get_block_size_n("cpu", int(d), True, False) == int(n_dropout), d
+    assert {int(d): (int(n), int(n_dropout)) for d, _, n, _, n_dropout in rows} == _FORWARD_KEY_BLOCK
 
 
 # --- bad input: checked in Python before any CUDA work, so these run on CPU too ---------------

@@ -41,6 +41,7 @@ def repeat_batch(batch, generator, device="cuda"):
     return block.repeat(1, REPEATS).to(device)
 
 
+@torch.enable_grad()  # the first test to ask may do so under no_grad
 def train_on_repeat_task(config, steps=300, device="cuda"):
     """A model that has learnt the repeat task (fp32 weights, bf16 autocast, sdpa); returns its
     state dict and its accuracy on the repeated part of fresh sequences."""

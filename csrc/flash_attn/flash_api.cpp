@@ -547,6 +547,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("fwd", &mha_fwd, "Attention forward, (batch, seqlen, heads, head_dim) inputs");
     m.def("varlen_fwd", &mha_varlen_fwd, "Attention forward, variable-length (total, heads, head_dim) inputs");
     m.def("fwd_kvcache", &mha_fwd_kvcache, "Attention forward over a (paged) KV cache, with split-KV");
+    m.def("kernel_head_dim", &flash::kernel_head_dim,
+          "The head dim of the compiled kernel that runs inputs of this head dim (0: none)");
     m.def("bwd", &mha_bwd, "Attention backward, (batch, seqlen, heads, head_dim) inputs");
     m.def("varlen_bwd", &mha_varlen_bwd, "Attention backward, variable-length (total, heads, head_dim) inputs");
 }

@@ -4,6 +4,9 @@ in-place forms for packed qkv / kv tensors, a PyTorch reference and the RotaryEm
 Backward passes rotate the incoming gradient by minus the angle (the rotation is orthogonal), into
 a new tensor: rotating a gradient in place could corrupt a buffer that autograd shares with
 another branch of the graph.
+
+The kernel is reached through torch.library ops (flash_attn.ops.triton.rotary), so every function
+here, the in-place ones included, also runs under torch.compile (fullgraph=True as well).
 """
 
 from typing import Optional, Tuple, Union
@@ -108,10 +111,10 @@ def _packed_views(qkv, num_heads_q):
                              f"{tuple(qkv.shape)}")
         b, s, _, h, d = qkv.shape
         q, k, v = qkv.unbind(dim=2)
-        qk = None
-        if qkv.stride(2) == h * qkv.stride(3):
-            qk = qkv.as_strided((b, s, 2 * h, d), (qkv.stride(0), qkv.stride(1), qkv.stride(3),
-                                                   qkv.stride(4)), qkv.storage_offset())
+        # q and k are one run of 2 * h heads when the qkv axis steps over exactly h heads. A view,
+        # not as_strided(..., storage_offset()): torch.compile cannot put storage_offset() in a
+        # graph, and a graph break inside the in-place Function breaks compiling it.
+        qk = qkv[:, :, :2].view(b, s, 2 * h, d) if qkv.stride(2) == h * qkv.stride(3) else None
         return q, k, v, qk
     if qkv.dim() != 4 or num_heads_q is None:
         raise ValueError("qkv must be (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, "
@@ -208,6 +211,17 @@ def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False,
                          seqlen_offsets: Union[int, torch.Tensor] = 0):
     """Rotary embedding, in place, on k of a packed kv (b, s, 2, nheads_k, headdim); v untouched.
     Returns kv."""
+    if torch.compiler.is_compiling():
+        # Under torch.compile, k is rotated out of place and copied back with a plain in-place
+        # copy, which autograd tracks through kv itself: callers may drop the returned tensor and
+        # keep using kv (seen on torch 2.11 + CUDA: the compiled in-place Function's gradient
+        # went wrong for such callers).
+        if kv.dim() != 5 or kv.shape[2] != 2:
+            raise ValueError("kv must be (batch, seqlen, 2, nheads_k, headdim), got "
+                             f"{tuple(kv.shape)}")
+        kv[:, :, 0].copy_(apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved=interleaved,
+                                           seqlen_offsets=seqlen_offsets))
+        return kv
     return ApplyRotaryEmbKV_.apply(kv, cos, sin, interleaved, seqlen_offsets)
 
 

@@ -10,6 +10,9 @@ class CrossEntropyLoss(nn.Module):
     """Softmax cross-entropy over (batch, vocab_size) logits, optionally vocab-parallel.
 
     reduction: "mean" (over the rows whose label is not ignore_index), "sum" or "none".
+    A label outside [0, vocab_size) (the total vocabulary with process_group) other than
+    ignore_index gives that row a NaN loss and NaN gradient, so "mean" and "sum" are NaN: such
+    labels are reported, not silently scored as the row's log-sum-exp.
     label_smoothing, logit_scale, lse_square_scale (z-loss), inplace_backward, process_group:
         as in cross_entropy_loss.
     return_z_loss: also return the z-loss term (already included in the loss), reduced the same

@@ -170,6 +170,19 @@ class DropoutAddLayerNormFn(torch.autograd.Function):
         )
 
 
+class DropoutAddLayerNormSubsetFn:
+    """flash-attn's token-dropping Function under its name and argument order; the work is
+    DropoutAddLayerNormFn's (which takes the subsets as trailing arguments)."""
+
+    @staticmethod
+    def apply(x0, residual, gamma, beta, colscale, x0_subset, out_subset, dropout_p, epsilon,
+              rowscale_const, out_numrows, residual_in_fp32=False, prenorm=False,
+              is_rms_norm=False, return_dmask=False):
+        return DropoutAddLayerNormFn.apply(
+            x0, residual, gamma, beta, None, colscale, dropout_p, epsilon, residual_in_fp32,
+            prenorm, is_rms_norm, return_dmask, x0_subset, out_subset, rowscale_const, out_numrows)
+
+
 class DropoutAddLayerNormParallelResidualFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x0, x1, residual, gamma0, beta0, gamma1, beta1, dropout_p, epsilon,

@@ -3,6 +3,7 @@ plain-PyTorch references (outputs and gradients)."""
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from flash_attn.layers.rotary import (
     RotaryEmbedding,
@@ -266,3 +267,116 @@ def test_pos_idx_in_fp32():
     inv_freq = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
     torch.testing.assert_close(exact._cos_cached[257].cpu().double(), torch.cos(t * inv_freq),
                                rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# torch.compile: the in-place forms where models use them, on a projection of a leaf weight
+# ------------------------------------------------------------------------------------------
+
+_B, _S, _D, _ROTARY_DIM = 2, 5, 8, 6
+_MAX_OFFSET = 3  # the tables cover _S + _MAX_OFFSET positions
+# entry: (heads of the projection, of which the first ones are rotated)
+_ENTRY_HEADS = {
+    "qkv_": (3 * 2, 2 * 2),    # apply_rotary_emb_qkv_ on (b, s, 3, 2, d), result returned
+    "kv_": (2 * 2, 2),         # apply_rotary_emb_kv_ on (b, s, 2, 2, d), result discarded
+    "inplace": (2, 2),         # apply_rotary_emb(inplace=True) on (b, s, 2, d)
+    "module": (4 + 2, 4 + 1),  # RotaryEmbedding on GQA-packed (b, s, 4 + 2 * 1, d)
+}
+
+
+def _compile_offsets(kind, device):
+    return 2 if kind == "int" else torch.tensor([_MAX_OFFSET, 1], device=device,
+                                                dtype=torch.int32)
+
+
+def _rotary_forward(entry, cos, sin, rotary_module):
+    """f(x, weight, offsets): project x, rotate in place through entry, return the result."""
+    heads, _ = _ENTRY_HEADS[entry]
+
+    def forward(x, weight, offsets):
+        proj = torch.nn.functional.linear(x, weight).view(_B, _S, heads, _D)
+        if entry == "qkv_":
+            return apply_rotary_emb_qkv_(proj.view(_B, _S, 3, heads // 3, _D), cos, sin,
+                                         seqlen_offsets=offsets)
+        if entry == "kv_":
+            kv = proj.view(_B, _S, 2, heads // 2, _D)
+            apply_rotary_emb_kv_(kv, cos, sin, seqlen_offsets=offsets)  # kv itself is used
+            return kv
+        if entry == "inplace":
+            return apply_rotary_emb(proj, cos, sin, inplace=True, seqlen_offsets=offsets)
+        return rotary_module(proj, seqlen_offset=offsets, max_seqlen=_S + _MAX_OFFSET,
+                             num_heads_q=4)
+
+    return forward
+
+
+def _rotary_forward_ref(entry, cos, sin):
+    """The same function out of place in plain PyTorch (apply_rotary_ref)."""
+    heads, rotated = _ENTRY_HEADS[entry]
+
+    def forward(x, weight, offsets):
+        proj = torch.nn.functional.linear(x, weight).view(_B, _S, heads, _D)
+        rot = apply_rotary_ref(proj[:, :, :rotated], cos, sin, seqlen_offsets=offsets)
+        return torch.cat((rot, proj[:, :, rotated:]), dim=2)
+
+    return forward
+
+
+def _forward_backward(forward, x, weight, offsets, grad):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = forward(x, weight, offsets)
+    out.backward(grad.view(out.shape))
+    return out.detach().reshape(grad.shape), x.grad, weight.grad
+
+
+def _check_compiled_rotary(entry, offsets_kind, backend, fullgraph, device):
+    torch.manual_seed(0)
+    heads, _ = _ENTRY_HEADS[entry]
+    x = torch.randn(_B, _S, 16, device=device)
+    weight = torch.randn(heads * _D, 16, device=device) / 4
+    grad = torch.randn(_B, _S, heads, _D, device=device)
+    offsets = _compile_offsets(offsets_kind, device)
+    if entry == "module":
+        # One module per run, so that the compiled run builds its tables inside the graph.
+        modules = [RotaryEmbedding(_ROTARY_DIM, device=device) for _ in range(2)]
+        tables = RotaryEmbedding(_ROTARY_DIM, device=device)
+        tables._update_cos_sin_cache(_S + _MAX_OFFSET, device=x.device, dtype=x.dtype)
+        cos, sin = tables._cos_cached, tables._sin_cached
+    else:
+        modules = [None, None]
+        cos, sin = rotary_tables(_S + _MAX_OFFSET, _ROTARY_DIM, device)
+
+    eager = _forward_backward(_rotary_forward(entry, cos, sin, modules[0]), x, weight, offsets,
+                              grad)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled_forward = torch.compile(_rotary_forward(entry, cos, sin, modules[1]),
+                                     backend=counter, fullgraph=fullgraph)
+    compiled = _forward_backward(compiled_forward, x, weight, offsets, grad)
+    ref = _forward_backward(_rotary_forward_ref(entry, cos, sin), x, weight, offsets, grad)
+    assert counter.frame_count == 1  # one graph: no break, nothing fell back to eager
+    for name, ours_compiled, ours_eager, expected in zip(("out", "dx", "dweight"), compiled,
+                                                         eager, ref):
+        torch.testing.assert_close(ours_compiled, ours_eager, msg=f"{name}: compiled vs eager")
+        torch.testing.assert_close(ours_eager, expected, rtol=1e-5, atol=1e-5,
+                                   msg=f"{name}: eager vs reference")
+
+
+@pytest.mark.parametrize("offsets_kind", ["int", "tensor"])
+@pytest.mark.parametrize("entry", list(_ENTRY_HEADS))
+def test_inplace_rotary_compiled_fullgraph(entry, offsets_kind):
+    # aot_eager: Dynamo and AOTAutograd (functionalisation, the joint graph), where in-place
+    # rotary used to fail; no code generation, which keeps the CPU run short.
+    _check_compiled_rotary(entry, offsets_kind, "aot_eager", fullgraph=True, device=DEVICE)
+
+
+@pytest.mark.parametrize("entry, offsets_kind", [("qkv_", "tensor"), ("inplace", "int")])
+def test_inplace_rotary_compiled_inductor(entry, offsets_kind):
+    # Inductor adds its re-inplacing of the functionalised op.
+    _check_compiled_rotary(entry, offsets_kind, "inductor", fullgraph=False, device=DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", list(_ENTRY_HEADS))
+def test_inplace_rotary_compiled_inductor_gpu(entry):
+    _check_compiled_rotary(entry, "tensor", "inductor", fullgraph=True, device="cuda")

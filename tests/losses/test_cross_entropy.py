@@ -63,6 +63,27 @@ def test_inplace_backward_module_gradient():
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_labels_outside_vocab_are_not_silent(reduction):
+    logits, labels = _inputs(n_rows=6, vocab=211)  # rows 0 and 3 are ignore_index
+    labels[1], labels[4] = -7, 211
+    x = logits.clone().requires_grad_()
+    loss = CrossEntropyLoss(reduction=reduction)(x, labels)
+    loss.sum().backward()
+    bad = torch.zeros(6, dtype=torch.bool, device=DEVICE)
+    bad[[1, 4]] = True
+    if reduction == "none":
+        assert torch.equal(loss.isnan(), bad)
+        assert (loss[labels == -100] == 0).all()
+        in_range = ~bad
+        torch.testing.assert_close(
+            loss[in_range], F.cross_entropy(logits[in_range], labels[in_range], reduction="none"),
+            rtol=1e-5, atol=1e-5)
+    else:
+        assert loss.isnan()
+    assert torch.equal(x.grad.isnan().all(dim=1), bad) and x.grad[~bad].isfinite().all()
+
+
 def test_unknown_reduction_raises():
     with pytest.raises(NotImplementedError, match="reduction"):
         CrossEntropyLoss(reduction="batchmean")

@@ -1,6 +1,7 @@
 """Vocab-parallel cross-entropy: two processes, each holding half of the vocabulary, must give the
-single-process losses and each its slice of the single-process gradient. gloo on CPU (the Triton
-interpreter), NCCL on two GPUs."""
+single-process losses and each its slice of the single-process gradient, and NaN rows exactly for
+the labels outside the total vocabulary. gloo on CPU (the Triton interpreter), NCCL on two
+GPUs."""
 
 import pytest
 import torch
@@ -68,10 +69,36 @@ def _check_case(rank, device, dtype, smoothing, logit_scale, lse_square_scale, i
     torch.testing.assert_close(loss.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
+def _check_out_of_range_labels(device, rank, vocab):
+    """Only labels outside the total vocabulary give NaN rows (and NaN gradient rows); those in
+    the other rank's slice are normal labels."""
+    part = vocab // WORLD_SIZE
+    gen = torch.Generator().manual_seed(0)
+    # part - 1 and part sit on either side of the boundary between the two slices.
+    labels = torch.tensor([-1, part - 1, part, vocab - 1, vocab, vocab + 3, -100, 0])
+    out_of_range = torch.tensor([True, False, False, False, True, True, False, False])
+    logits = torch.randn(len(labels), vocab, generator=gen) * 3
+    local = logits[:, rank * part:(rank + 1) * part].to(device, copy=True).requires_grad_()
+    losses, _ = cross_entropy_loss(local, labels.to(device), process_group=dist.group.WORLD)
+    (grad,) = torch.autograd.grad(losses, local, torch.ones_like(losses))
+    losses, grad = losses.cpu(), grad.cpu()
+
+    assert torch.equal(losses.isnan(), out_of_range), losses
+    assert torch.equal(grad.isnan().all(dim=1), out_of_range)
+    assert grad[~out_of_range].isfinite().all()
+    valid = ~out_of_range
+    ref, _ = cross_entropy_loss_ref(logits[valid], labels[valid])
+    torch.testing.assert_close(losses[valid], ref, rtol=1e-5, atol=1e-5)
+    mean = CrossEntropyLoss(process_group=dist.group.WORLD)(local.detach(), labels.to(device))
+    assert mean.isnan()
+
+
 def run_rank(rank, world, backend, n_rows, vocab):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     for case in CASES:
         _check_case(rank, device, *case, n_rows=n_rows, vocab=vocab)
+    # In the same ranks: starting two more processes costs more than the check.
+    _check_out_of_range_labels(device, rank, vocab)
 
 
 def test_vocab_parallel_gloo():

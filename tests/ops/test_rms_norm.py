@@ -38,7 +38,10 @@ def run_rms_norm(ln, shape, dtype, weight_dtype):
     assert out.dtype == dtype and out.shape == x.shape
     refs = {}
     for fp32 in (True, False):
-        xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        # The fp32 reference has fp32 leaves, so that its gradients are not rounded to the
+        # weight dtype: the rounding is what the low-precision reference's error measures.
+        xr = x.detach().clone().to(torch.float32 if fp32 else dtype).requires_grad_()
+        wr = weight.detach().clone().to(torch.float32 if fp32 else weight_dtype).requires_grad_()
         refs[fp32] = (xr, wr, rms_norm_reference(xr, wr, 1e-6, fp32))
     _assert_close("out", out, refs[True][2], refs[False][2])
     g = torch.randn_like(out)

@@ -241,8 +241,20 @@ def test_every_benchmark_script_is_covered():
             "benchmark_rotary.py", "benchmark_cross_entropy.py", "benchmark_gpt.py"} <= set(SCRIPTS)
 
 
+def _interpreter_too_old(script):
+    """The Triton layer-norm backward loops over a range with tensor bounds, which the Triton
+    interpreter runs from triton 3.9 (CPU CI's); older ones (3.6 beside torch 2.11) raise."""
+    if script != "benchmark_layer_norm.py":
+        return False
+    import triton
+
+    return tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_smoke_runs_on_cpu_and_leaves_benchmarks_alone(script, tmp_path):
+    if _interpreter_too_old(script):
+        pytest.skip("this Triton's interpreter cannot run the layer-norm backward (needs >= 3.9)")
     before = _bench_dir_state()
     proc = _run_script(script, ["--smoke"], tmp_path)
     out = proc.stdout

@@ -6,19 +6,21 @@ The backward recomputes softmax from the logits and the saved lse, so no probabi
 the size of the logits ever exists; with inplace_backward the gradient overwrites the logits.
 
 Loss of one row with label y, logits x (after logit_scale), C classes, smoothing e, z-loss c:
-    lse - (1 - e) * x_y - e * mean(x) + c * lse^2,   and 0 where y == ignore_index.
+    lse - (1 - e) * x_y - e * mean(x) + c * lse^2,   and 0 where y == ignore_index;
+NaN (and a NaN gradient) where y is any other label outside [0, C).
 Vocab-parallel (process_group): rank r holds classes [r * n, (r + 1) * n). Each rank computes the
 lse of its slice and the part of the loss it owns (-(1 - e) x_y if it holds y, -e * sum(x) / C);
 the lse pieces are gathered and combined, the partial losses summed, then lse (and z-loss) added.
 """
 
-from contextlib import nullcontext
 from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+
+from flash_attn.ops.triton.launch_device import launch_device
 
 
 @triton.jit
@@ -31,6 +33,12 @@ def _aligned_row(row_off, ALIGN: tl.constexpr):
         return tl.multiple_of(row_off - shift, ALIGN), shift
     else:
         return row_off, 0
+
+
+@triton.jit
+def _label_out_of_range(label, total_classes):
+    # The callers let ignore_index win: it usually lies outside [0, total_classes) (-100).
+    return (label < 0) | (label >= total_classes)
 
 
 @triton.jit
@@ -90,7 +98,11 @@ def _cross_entropy_fwd_kernel(
         loss = loss - x_label
     z_loss = 0.0 if SPLIT else lse_square_scale * lse * lse
     ignored = label == ignore_index
-    tl.store(LOSS + row, tl.where(ignored, 0.0, loss + z_loss))
+    # A label outside the whole vocabulary picks no class: NaN rather than the plausible lse,
+    # and in the kernel, so that nothing waits on the host. Vocab-parallel, every rank sees the
+    # same label, so the NaN survives the sum over ranks.
+    loss = tl.where(_label_out_of_range(label, total_classes), float("nan"), loss + z_loss)
+    tl.store(LOSS + row, tl.where(ignored, 0.0, loss))
     tl.store(Z_LOSS + row, tl.where(ignored, 0.0, z_loss))
 
 
@@ -123,6 +135,8 @@ def _cross_entropy_bwd_kernel(
     j = start + tl.arange(0, BLOCK)
     label = tl.load(LABELS + row)
     dloss = tl.load(DLOSS + row * stride_dloss).to(tl.float32)
+    # The NaN loss of an out-of-range label has a NaN gradient, in every column of its row.
+    dloss = tl.where(_label_out_of_range(label, total_classes), float("nan"), dloss)
     dloss = tl.where(label == ignore_index, 0.0, dloss)
     lse = tl.load(LSE + row)
     label_idx = label - class_start + shift
@@ -164,10 +178,6 @@ def _check_cross_entropy_args(logits, labels, label_smoothing, logit_scale, lse_
         _fail("lse_square_scale", ">= 0", lse_square_scale)
 
 
-def _device_ctx(t):
-    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
-
-
 def _align(*tensors):
     """Elements per 16-byte vector when every tensor starts 16-byte aligned, else 1."""
     if all(t.data_ptr() % 16 == 0 for t in tensors):
@@ -184,7 +194,7 @@ def _forward_launch(logits, labels, losses, z_losses, lse, smoothing, logit_scal
         block = min(triton.next_power_of_2(n_cols), 8192)
     if num_warps is None:
         num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
-    with _device_ctx(logits):
+    with launch_device("cross_entropy_loss", "logits", logits):
         _cross_entropy_fwd_kernel[(n_rows,)](
             losses, z_losses, lse, logits, labels,
             n_cols, logits.stride(0),
@@ -206,7 +216,7 @@ def _backward_launch(dlogits, dlosses, logits, lse, labels, smoothing, logit_sca
     align = _align(logits, dlogits)
     # Blocks tile [0, n_cols + shift) from each row's aligned base; shift < align.
     grid = (n_rows, triton.cdiv(n_cols + align - 1, block))
-    with _device_ctx(logits):
+    with launch_device("cross_entropy_loss", "logits", logits):
         _cross_entropy_bwd_kernel[grid](
             dlogits, dlosses, logits, lse, labels,
             n_cols, logits.stride(0), dlosses.stride(0),
@@ -289,11 +299,15 @@ def cross_entropy_loss(
 
     logits: (batch, vocab_size), or this rank's (batch, vocab_size / world_size) slice with
         process_group (rank r holds the r-th contiguous slice; every rank the same size).
-    labels: (batch,) int64/int32 class indices over the full vocabulary.
+    labels: (batch,) int64/int32 class indices over the full vocabulary, [0, vocab_size) (also
+        with process_group: a label in another rank's slice is a normal label).
     label_smoothing: weight e of the uniform target: loss = lse - (1 - e) x_y - e * mean(x).
     logit_scale: logits are multiplied by it first.
     lse_square_scale: z-loss weight c: c * lse^2 is added to the loss and also returned alone.
     ignore_index: rows with this label get loss 0 and gradient 0.
+    Any other label outside the full vocabulary gets a NaN loss and a NaN gradient row (checked
+    in the kernel, without a host sync); its z-loss, which does not depend on the label, is
+    still returned.
     inplace_backward: the backward writes the gradient into logits (saves a logits-sized buffer;
         logits must not be needed afterwards).
     Returns (losses, z_losses), both (batch,) float32; only losses carries a gradient.

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from flash_attn.ops.triton.launch_device import launch_device
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -277,6 +279,26 @@ def _layer_norm_bwd_kernel(
 # Launchers
 # --------------------------------------------------------------------------------------------
 
+def maybe_contiguous(x):
+    """flash-attn 2.8's helper: x made contiguous, or None."""
+    return x.contiguous() if x is not None else None
+
+
+def maybe_contiguous_lastdim(x):
+    """flash-attn 2.8's helper: x with a contiguous last dimension, or None."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def triton_autotune_configs():
+    """flash-attn 2.8's autotuning space of these kernels: one config per warp count (1 to 32)
+    that fits a block of 1024 threads of the current device (warps of 32 without CUDA)."""
+    warp_size = 32
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        warp_size = getattr(props, "warp_size", 32) or 32
+    return [triton.Config({}, num_warps=w) for w in (1, 2, 4, 8, 16, 32) if w * warp_size <= 1024]
+
+
 def _block_n(x, N):
     # The row lives in registers: at most 64 KB of input per row.
     max_block = 65536 // x.element_size()
@@ -290,16 +312,8 @@ def _num_warps(block_n):
     return min(max(block_n // 256, 1), 16)
 
 
-def _device_ctx(t):
-    return torch.cuda.device(t.device) if t.is_cuda else _NullCtx()
-
-
-class _NullCtx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *args):
-        return False
+def _op_name(is_rms_norm):
+    return "rms_norm_fn" if is_rms_norm else "layer_norm_fn"
 
 
 def _check_fwd_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out,
@@ -342,6 +356,7 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
     residual_out is x itself when nothing changes the input (then it is not written)."""
     _check_fwd_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out,
                     residual_out)
+    device = launch_device(_op_name(is_rms_norm), "x", x)
     M, N = x.shape
     if residual is not None:
         residual_dtype = residual.dtype
@@ -366,7 +381,7 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
             dropout_mask1 = torch.empty(M, N, dtype=torch.bool, device=x.device)
     block_n = _block_n(x, N)
     if M > 0:
-        with _device_ctx(x):
+        with device:
             _layer_norm_fwd_kernel[(M,)](
                 x, out, weight, bias, residual, x1, weight1, bias1, y1, residual_out, rowscale,
                 seeds, dropout_mask, dropout_mask1, mean, rstd,
@@ -401,6 +416,7 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
                     residual_dtype=None, recompute_output=False):
     """x: the saved pre-norm sum. Returns (dx, dw, db, dresidual_in, dx1, dw1, db1, y) with
     dresidual_in / dx1 aliasing dx when they are equal; y only with recompute_output."""
+    device = launch_device(_op_name(is_rms_norm), "x", x)
     M, N = x.shape
     if dy.shape != (M, N):
         raise ValueError(f"layer_norm_fn: the output gradient must have shape {(M, N)}, got "
@@ -429,7 +445,7 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     dw1_part = torch.empty_like(dw_part) if weight1 is not None else None
     db1_part = torch.empty_like(dw_part) if bias1 is not None else None
     if M > 0:
-        with _device_ctx(x):
+        with device:
             _layer_norm_bwd_kernel[(programs,)](
                 x, weight, bias, y, dy, dx, dw_part, db_part, dresidual, weight1, dy1, dx1,
                 dw1_part, db1_part, dresidual_in, rowscale, seeds, mean, rstd,

@@ -6,12 +6,13 @@ Rotation of the pair (x0, x1) at position p by angle theta:
 `conjugate=True` rotates by -theta (sin -> -sin): the inverse rotation, which is also the backward.
 """
 
-from contextlib import nullcontext
 from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
+
+from flash_attn.ops.triton.launch_device import launch_device
 
 
 @triton.jit
@@ -90,6 +91,9 @@ def _rotary_kernel(
         tl.store(o_row + rt * stride_out_d, t, mask=mask)
 
 
+# flash-attn 2.8's name of the kernel.
+rotary_kernel = _rotary_kernel
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -97,14 +101,23 @@ def _fail(name, expected, got):
     raise ValueError(f"apply_rotary: {name} must be {expected}, got {got}")
 
 
-def _check_rotary_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
-    """All argument checks of apply_rotary; returns (batch, seqlen, nheads, headdim, rotary_dim)."""
+def _rotary_dims(x, cos, cu_seqlens, max_seqlen):
+    """(batch, seqlen, nheads, headdim, rotary_dim) of arguments that passed the checks."""
+    if cu_seqlens is None:
+        batch, seqlen, nheads, headdim = x.shape
+    else:
+        batch, seqlen = cu_seqlens.shape[0] - 1, max_seqlen
+        _, nheads, headdim = x.shape
+    return batch, seqlen, nheads, headdim, 2 * cos.shape[1]
+
+
+def _check_rotary_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, out):
+    """All argument checks of apply_rotary."""
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
         _fail("x", "a float16, bfloat16 or float32 tensor", getattr(x, "dtype", type(x).__name__))
     if cu_seqlens is None:
         if x.dim() != 4:
             _fail("x", "4-D (batch, seqlen, nheads, headdim)", f"shape {tuple(x.shape)}")
-        batch, seqlen, nheads, headdim = x.shape
     else:
         if x.dim() != 3:
             _fail("x", "3-D (total_seqlen, nheads, headdim) with cu_seqlens",
@@ -116,8 +129,6 @@ def _check_rotary_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
             _fail("cu_seqlens", f"on {x.device} like x", cu_seqlens.device)
         if not isinstance(max_seqlen, int):
             _fail("max_seqlen", "an int when cu_seqlens is given", repr(max_seqlen))
-        batch, seqlen = cu_seqlens.shape[0] - 1, max_seqlen
-        _, nheads, headdim = x.shape
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in _FLOAT_DTYPES:
             _fail(name, "a 2-D float tensor (seqlen_ro, rotary_dim / 2)",
@@ -128,7 +139,8 @@ def _check_rotary_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
     if sin.shape != cos.shape or sin.dtype != cos.dtype:
         _fail("sin", f"the shape and dtype of cos ({tuple(cos.shape)}, {cos.dtype})",
               f"{tuple(sin.shape)}, {sin.dtype}")
-    seqlen_ro, rotary_dim = cos.shape[0], 2 * cos.shape[1]
+    batch, seqlen, _, headdim, rotary_dim = _rotary_dims(x, cos, cu_seqlens, max_seqlen)
+    seqlen_ro = cos.shape[0]
     if rotary_dim > headdim:
         _fail("cos", f"(seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim ({headdim})",
               f"rotary_dim {rotary_dim}")
@@ -147,7 +159,10 @@ def _check_rotary_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
     elif seqlen_offsets + seqlen > seqlen_ro:
         _fail("seqlen_offsets", f"at most seqlen_ro - seqlen ({seqlen_ro} - {seqlen})",
               seqlen_offsets)
-    return batch, seqlen, nheads, headdim, rotary_dim
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype
+                            or out.device != x.device):
+        _fail("out", f"{x.dtype} of shape {tuple(x.shape)} on {x.device}",
+              f"{out.dtype} of shape {tuple(out.shape)} on {out.device}")
 
 
 def _strides4(t, varlen):
@@ -157,11 +172,9 @@ def _strides4(t, varlen):
 
 def _launch(out, x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, conjugate,
             block_m=None, block_h=None, num_warps=None):
-    batch, seqlen, nheads, headdim, rotary_dim = _check_rotary_args(
-        x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen)
-    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
-        _fail("out", f"{x.dtype} of shape {tuple(x.shape)} on {x.device}",
-              f"{out.dtype} of shape {tuple(out.shape)} on {out.device}")
+    """Runs the kernel on arguments that passed _check_rotary_args; out may be x."""
+    batch, seqlen, nheads, headdim, rotary_dim = _rotary_dims(x, cos, cu_seqlens, max_seqlen)
+    device = launch_device("apply_rotary", "x", x)
     if x.numel() == 0 or rotary_dim == 0 and out.data_ptr() == x.data_ptr():
         return out
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -178,7 +191,7 @@ def _launch(out, x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleave
         num_warps = 4 if block_m * block_h * block_k <= 2048 else 8
     grid = (triton.cdiv(seqlen, block_m), batch, triton.cdiv(nheads, block_h))
     offsets_are_tensor = isinstance(seqlen_offsets, torch.Tensor)
-    with torch.cuda.device(x.device) if x.is_cuda else nullcontext():
+    with device:
         _rotary_kernel[grid](
             out, x, cos, sin, cu_seqlens, seqlen_offsets,
             seqlen, nheads, cos.shape[0],
@@ -192,6 +205,61 @@ def _launch(out, x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleave
             num_warps=num_warps,
         )
     return out
+
+
+# The kernel as torch.library ops (out of place, in place, into out), which is what torch.compile
+# sees: one opaque op whose writes the schema declares, so that AOTAutograd functionalises it,
+# also inside the in-place autograd Functions of flash_attn.layers.rotary. Without them Dynamo
+# traces into the launcher, whose data_ptr() comparisons break the graph in the middle of those
+# Functions, and into the kernel (on CPU, the Triton interpreter, which fails on fake tensors).
+# Library.define, not torch.library.custom_op: custom_op's Python autograd and version-counter
+# kernels added 15 us (out of place) to 40 us (in place) to an eager call on a CPU VM, these ops
+# about 5 us. So the ops that write a tensor bump its version counter themselves (autograd does
+# not see the kernel's writes), and apply_rotary calls them under no_grad (no autograd formula).
+# The offsets travel as an optional tensor plus an int: a schema has no Union.
+
+_library = torch.library.Library("flash_attn", "FRAGMENT")
+_OPTION_ARGS = ("Tensor? seqlen_offsets_tensor, SymInt seqlen_offset, Tensor? cu_seqlens, "
+            "SymInt? max_seqlen, bool interleaved, bool conjugate")
+for _schema in (
+        f"_apply_rotary(Tensor x, Tensor cos, Tensor sin, {_OPTION_ARGS}) -> Tensor",
+        f"_apply_rotary_inplace(Tensor(a!) x, Tensor cos, Tensor sin, {_OPTION_ARGS}) -> ()",
+        f"_apply_rotary_out(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out, {_OPTION_ARGS})"
+        " -> ()"):
+    _library.define(_schema, tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _offsets(seqlen_offsets_tensor, seqlen_offset):
+    return seqlen_offset if seqlen_offsets_tensor is None else seqlen_offsets_tensor
+
+
+def _apply_rotary_op(x, cos, sin, seqlen_offsets_tensor, seqlen_offset, cu_seqlens, max_seqlen,
+                     interleaved, conjugate):
+    return _launch(torch.empty_like(x), x, cos, sin,
+                   _offsets(seqlen_offsets_tensor, seqlen_offset), cu_seqlens, max_seqlen,
+                   interleaved, conjugate)
+
+
+def _apply_rotary_inplace_op(x, cos, sin, seqlen_offsets_tensor, seqlen_offset, cu_seqlens,
+                             max_seqlen, interleaved, conjugate):
+    _launch(x, x, cos, sin, _offsets(seqlen_offsets_tensor, seqlen_offset), cu_seqlens,
+            max_seqlen, interleaved, conjugate)
+    torch.autograd.graph.increment_version(x)
+
+
+def _apply_rotary_out_op(x, cos, sin, out, seqlen_offsets_tensor, seqlen_offset, cu_seqlens,
+                         max_seqlen, interleaved, conjugate):
+    _launch(out, x, cos, sin, _offsets(seqlen_offsets_tensor, seqlen_offset), cu_seqlens,
+            max_seqlen, interleaved, conjugate)
+    torch.autograd.graph.increment_version(out)
+
+
+for _name, _impl, _fake in (
+        ("_apply_rotary", _apply_rotary_op, lambda x, *args: torch.empty_like(x)),  # as the op
+        ("_apply_rotary_inplace", _apply_rotary_inplace_op, lambda *args: None),
+        ("_apply_rotary_out", _apply_rotary_out_op, lambda *args: None)):
+    _library.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"flash_attn::{_name}", _fake, lib=_library)
 
 
 def apply_rotary(
@@ -216,13 +284,25 @@ def apply_rotary(
     interleaved: rotate pairs (0, 1), (2, 3), ... (GPT-J) instead of the two halves (GPT-NeoX).
     inplace: write into x. conjugate: rotate by minus the angle (the backward).
     out: optional preallocated output (same shape and dtype as x; not an alias of x).
-    Returns the rotated tensor, of x's shape.
+    Returns the rotated tensor, of x's shape. No autograd here: flash_attn.layers.rotary has it.
+    Traceable by torch.compile (as the flash_attn::_apply_rotary* ops).
     """
-    if inplace:
-        out = x
-    elif out is None:
-        out = torch.empty_like(x)
-    return _launch(out, x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, conjugate)
+    _check_rotary_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen,
+                       None if inplace else out)
+    if isinstance(seqlen_offsets, torch.Tensor):
+        offsets = (seqlen_offsets, 0)
+    else:
+        offsets = (None, seqlen_offsets)
+    # max_seqlen means something only with cu_seqlens.
+    layout = (cu_seqlens, max_seqlen if cu_seqlens is not None else None, interleaved, conjugate)
+    with torch.no_grad():
+        if inplace:
+            torch.ops.flash_attn._apply_rotary_inplace(x, cos, sin, *offsets, *layout)
+            return x
+        if out is None:
+            return torch.ops.flash_attn._apply_rotary(x, cos, sin, *offsets, *layout)
+        torch.ops.flash_attn._apply_rotary_out(x, cos, sin, out, *offsets, *layout)
+        return out
 
 
 def apply_rotary_ref(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None,

@@ -142,6 +142,33 @@ def test_all_rows_ignored_and_empty_batch():
     assert losses.shape == (0,) and empty.grad.shape == (0, 40)
 
 
+@pytest.mark.parametrize("smoothing, lse_square_scale", [(0.0, 0.0), (0.1, 1e-2)])
+def test_labels_outside_vocab_give_nan_rows(smoothing, lse_square_scale):
+    vocab = 40
+    logits, labels = _make_inputs(7, vocab, torch.float32, DEVICE)
+    # -100 is ignore_index; -1, vocab and vocab + 5 are outside [0, vocab).
+    labels[:5] = torch.tensor([-1, vocab, -100, vocab + 5, vocab - 1])
+    out_of_range = torch.tensor([True, True, False, True, False, False, False], device=DEVICE)
+    ignored = labels == -100
+    valid = ~out_of_range & ~ignored
+    x = logits.clone().requires_grad_()
+    losses, z_losses = cross_entropy_loss(x, labels, smoothing, 1.0, lse_square_scale)
+    (grad,) = torch.autograd.grad(losses, x, torch.ones_like(losses))
+
+    assert torch.equal(losses.isnan(), out_of_range)
+    assert (losses[ignored] == 0).all() and (grad[ignored] == 0).all()
+    assert grad[out_of_range].isnan().all() and grad[~out_of_range].isfinite().all()
+    # The z-loss does not depend on the label: the out-of-range rows keep theirs.
+    torch.testing.assert_close(z_losses[~ignored],
+                               lse_square_scale * torch.logsumexp(logits[~ignored], -1) ** 2)
+    # The other rows are untouched by their NaN neighbours.
+    x_ref = logits[valid].clone().requires_grad_()
+    ref, _ = cross_entropy_loss_ref(x_ref, labels[valid], smoothing, 1.0, lse_square_scale)
+    ref.sum().backward()
+    torch.testing.assert_close(losses[valid], ref.detach(), rtol=1e-5, atol=1e-5)
+    _assert_grad_close(grad[valid], x_ref.grad)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(logits=torch.randn(2, 3, 4)), "logits must be a 2-D"),
     (dict(logits=torch.randn(2, 4, dtype=torch.float64)), "logits must be a 2-D"),

@@ -171,6 +171,45 @@ def test_bad_arguments_are_named(bad, match):
         apply_rotary(**args)
 
 
+def _op_args(op_name, offsets_kind, varlen, device):
+    """Arguments of the flash_attn::_apply_rotary* op op_name, in its schema's order."""
+    torch.manual_seed(0)
+    cos, sin = rotary_tables(9, 6, device)
+    if varlen:
+        x = torch.randn(7, 3, 8, device=device)
+        layout = (torch.tensor([0, 3, 7], dtype=torch.int32, device=device), 4)
+    else:
+        x = torch.randn(2, 5, 3, 8, device=device)
+        layout = (None, None)
+    offsets = ((torch.tensor([1, 3], dtype=torch.int32, device=device), 0)
+               if offsets_kind == "tensor" else (None, 2))
+    tensors = (x, cos, sin)
+    if op_name == "_apply_rotary_out":
+        tensors += (torch.empty_like(x),)
+    return tensors + offsets + layout + (True, False)  # interleaved, conjugate
+
+
+@pytest.mark.parametrize("op_name, offsets_kind, varlen", [
+    ("_apply_rotary", "int", False), ("_apply_rotary", "tensor", True),
+    ("_apply_rotary_inplace", "tensor", False), ("_apply_rotary_out", "int", True),
+])
+def test_ops_pass_opcheck(op_name, offsets_kind, varlen):
+    # What torch.compile relies on: the schema declares exactly the writes the kernel makes, and
+    # the fake implementation gives the real outputs' metadata (static and dynamic shapes).
+    op = getattr(torch.ops.flash_attn, op_name).default
+    torch.library.opcheck(op, _op_args(op_name, offsets_kind, varlen, DEVICE))
+
+
+def test_inplace_write_is_seen_by_autograd():
+    # exp saves its output for the backward: rotating that output in place must not go unnoticed.
+    x = torch.randn(1, 5, 2, 8, device=DEVICE, requires_grad=True)
+    saved = x.exp()
+    cos, sin = rotary_tables(5, 8, DEVICE)
+    apply_rotary(saved, cos, sin, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
 # Every distinct (dtype, layout, rotary_dim, headdim, ...) compiles its own kernel, so the default
 # GPU run keeps a quick subset; --run-slow sweeps the full grid.
 @pytest.mark.gpu
