@@ -193,7 +193,7 @@ def test_varlen(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, so
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mha_type", ["mha", "gqa"])
-@pytest.mark.parametrize("page_block_size", [256, 512])
+@pytest.mark.parametrize("page_block_size", [16, 48, 256, 512])
 def test_varlen_paged(d, dtype, causal, mha_type, page_block_size):
     """K/V in a paged cache: block_table maps each sequence's logical blocks to shuffled pages."""
     torch.manual_seed(d + page_block_size)

@@ -264,10 +264,10 @@ std::vector<at::Tensor> mha_varlen_fwd(
     const bool paged = block_table_.has_value();
     const int64_t batch = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, paged);
     const int64_t total_q = q.size(0), heads = q.size(1);
-    FLASH_CHECK(!leftpad_k_.has_value(), "leftpad_k is not supported by varlen_fwd");
     FLASH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q and max_seqlen_k must be >= 0");
     if (paged) { check_int32(block_table_.value(), "block_table", q, {batch, block_table_->size(-1)}); }
     if (seqused_k_.has_value()) { check_int32(seqused_k_.value(), "seqused_k", q, {batch}); }
+    if (leftpad_k_.has_value()) { check_int32(leftpad_k_.value(), "leftpad_k", q, {batch}); }
     at::cuda::CUDAGuard device_guard{q.device()};
 
     at::Tensor out = out_or_new(out_, q);
@@ -284,6 +284,7 @@ std::vector<at::Tensor> mha_varlen_fwd(
     params.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
     params.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
     params.seqused_k = seqused_k_.has_value() ? seqused_k_->data_ptr<int>() : nullptr;
+    params.leftpad_k = leftpad_k_.has_value() ? leftpad_k_->data_ptr<int>() : nullptr;
     at::Tensor p = make_s_dmask(params, q, return_softmax);
     at::Tensor rng_state = set_dropout_rng(params, q, gen_);
 
@@ -297,14 +298,16 @@ std::vector<at::Tensor> mha_varlen_fwd(
     return {out, softmax_lse, p, rng_state};
 }
 
-// How many CTAs share the key range of one (query block, batch, head): 1 when the unsplit grid
-// already fills the GPU; else the fewest splits whose last wave of CTAs is at least 85% as full
-// as the best count's (a split must keep at least one key block of its own).
+// How many CTAs share the key range of one (query block, batch, head). Two forward CTAs fit an SM
+// (registers) up to head dim 128, and a decode step is bound by memory: the grid should fill
+// those slots. 1 when the unsplit grid already does; else the fewest splits whose last wave is
+// at least 85% as full as the best count's.
 int choose_num_splits(int64_t ctas, int sms, int n_blocks) {
-    if (ctas >= int64_t(0.8 * sms) || n_blocks <= 1) { return 1; }
-    const int max_splits = std::min({kMaxSplits, n_blocks, int(ceil(2.0 * sms / double(ctas)) * 4)});
+    const int slots = 2 * sms;
+    if (ctas >= int64_t(0.8 * slots) || n_blocks <= 1) { return 1; }
+    const int max_splits = std::min(kMaxSplits, n_blocks);
     auto wave_fill = [&](int splits) {
-        const double waves = double(ctas * splits) / sms;
+        const double waves = double(ctas * splits) / slots;
         return waves / std::ceil(waves);
     };
     double best = 0.0;
