@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from flash_attn._native import load_extension
 
 MAX_HEAD_DIM = 256
+# Paged K/V (block_table): pages of any multiple of 16 rows.
+PAGE_BLOCK_MULTIPLE = 16
 
 # flash-attn 2.8 can run on ROCm through a Triton backend chosen by this flag; this package has
 # only the CUDA kernels, so it is always False here.
@@ -63,15 +65,18 @@ def _fail(name, expected, got):
 
 def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=None,
                           max_seqlen_q=0, max_seqlen_k=0, alibi_slopes=None, block_table=None,
-                          dropout_p=0.0, window_size=(-1, -1), softcap=0.0):
+                          dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
+                          names=("q", "k", "v"), kv_batch_like_q=True, check_devices=True):
     """Checks every argument of the public functions before any kernel runs (ValueError naming
-    the argument); the binding repeats the checks it needs for direct calls."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    the argument, as the caller calls q, k, v: `names`); the binding repeats the checks it needs
+    for direct calls. kv_batch_like_q=False: k/v may have more batch rows (a KV cache)."""
+    q_name, k_name, v_name = names
+    for name, t in ((q_name, q), (k_name, k), (v_name, v)):
         if not isinstance(t, torch.Tensor):
             _fail(name, "a torch.Tensor", type(t).__name__)
         if t.dtype not in (torch.float16, torch.bfloat16):
             _fail(name, "float16 or bfloat16", t.dtype)
-    for name, t in (("k", k), ("v", v)):
+    for name, t in ((k_name, k), (v_name, v)):
         if t.dtype != q.dtype:
             _fail(name, f"the same dtype as q ({q.dtype})", t.dtype)
     rank = 3 if varlen else 4
@@ -81,23 +86,24 @@ def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=No
     else:
         rank_k, layout_k = rank, layout
     if q.dim() != rank:
-        _fail("q", f"{rank}-D {layout}", f"shape {tuple(q.shape)}")
-    for name, t in (("k", k), ("v", v)):
+        _fail(q_name, f"{rank}-D {layout}", f"shape {tuple(q.shape)}")
+    for name, t in ((k_name, k), (v_name, v)):
         if t.dim() != rank_k:
             _fail(name, f"{rank_k}-D {layout_k}", f"shape {tuple(t.shape)}")
     head_dim, num_heads = q.shape[-1], q.shape[-2]
     if head_dim > MAX_HEAD_DIM:
-        _fail("q", f"of head dim at most {MAX_HEAD_DIM}", f"head dim {head_dim}")
+        _fail(q_name, f"of head dim at most {MAX_HEAD_DIM}", f"head dim {head_dim}")
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        _fail("k and v", f"of the same head dim as q ({head_dim})", f"{k.shape[-1]} and {v.shape[-1]}")
+        _fail(f"{k_name} and {v_name}", f"of the same head dim as {q_name} ({head_dim})",
+              f"{k.shape[-1]} and {v.shape[-1]}")
     if k.shape != v.shape:
-        _fail("v", f"the same shape as k {tuple(k.shape)}", f"{tuple(v.shape)}")
+        _fail(v_name, f"the same shape as {k_name} {tuple(k.shape)}", f"{tuple(v.shape)}")
     num_heads_k = k.shape[-2]
     if num_heads % num_heads_k != 0:
-        _fail("k", f"a number of heads dividing the {num_heads} query heads", num_heads_k)
-    if not varlen and block_table is None and k.shape[0] != q.shape[0]:
-        _fail("k", f"of batch size {q.shape[0]} like q", k.shape[0])
-    for name, t in (("q", q), ("k", k), ("v", v)):
+        _fail(k_name, f"a number of heads dividing the {num_heads} query heads", num_heads_k)
+    if (not varlen and block_table is None and kv_batch_like_q and k.shape[0] != q.shape[0]):
+        _fail(k_name, f"of batch size {q.shape[0]} like {q_name}", k.shape[0])
+    for name, t in ((q_name, q), (k_name, k), (v_name, v)):
         if t.stride(-1) != 1:
             _fail(name, "contiguous in its last dimension", f"stride {t.stride()}")
     if varlen:
@@ -116,8 +122,11 @@ def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=No
         if block_table.dtype != torch.int32 or block_table.dim() != 2:
             _fail("block_table", "a 2-D torch.int32 tensor (batch, max_blocks_per_seq)",
                   f"{block_table.dtype} of shape {tuple(block_table.shape)}")
-        if k.shape[1] % 256 != 0:
-            _fail("k", "paged with a page_block_size divisible by 256", k.shape[1])
+        if k.shape[1] == 0 or k.shape[1] % PAGE_BLOCK_MULTIPLE != 0:
+            _fail(k_name, f"paged with a page_block_size that is a multiple of {PAGE_BLOCK_MULTIPLE}",
+                  k.shape[1])
+        if not varlen and block_table.shape[0] != q.shape[0]:
+            _fail("block_table", f"of {q.shape[0]} rows (one per batch entry)", block_table.shape[0])
         if cu_seqlens_k is not None and block_table.shape[0] != cu_seqlens_k.numel() - 1:
             _fail("block_table", f"of {cu_seqlens_k.numel() - 1} rows (one per sequence)",
                   block_table.shape[0])
@@ -134,16 +143,23 @@ def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=No
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or int(w) != w or w < -1 for w in window_size)):
         _fail("window_size", "a pair (left, right) of ints >= -1 (-1: unbounded)", window_size)
-    tensors = [("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-               ("alibi_slopes", alibi_slopes), ("block_table", block_table)]
+    tensors = [(k_name, k), (v_name, v), ("cu_seqlens_q", cu_seqlens_q),
+               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
+               ("block_table", block_table)]
     if varlen and _host_checks_enabled():
         _check_varlen_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               block_table)
+    if check_devices:
+        _check_devices(q, tensors, q_name)
+
+
+def _check_devices(q, tensors, q_name="q"):
+    """q on a CUDA device and every (name, tensor or None) of `tensors` on q's device."""
     if not q.is_cuda:
-        _fail("q", "on a CUDA device", q.device)
+        _fail(q_name, "on a CUDA device", q.device)
     for name, t in tensors:
         if t is not None and t.device != q.device:
-            _fail(name, f"on the same device as q ({q.device})", t.device)
+            _fail(name, f"on the same device as {q_name} ({q.device})", t.device)
 
 
 def _host_checks_enabled():
@@ -230,9 +246,6 @@ def _flash_attn_varlen_forward(
     leftpad_k: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
     zero_tensors: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if leftpad_k is not None:
-        raise NotImplementedError("flash_attn: leftpad_k is not supported by the varlen forward "
-                                  "of this build")
     q, k, v = (maybe_contiguous(t) for t in (q, k, v))
     out, softmax_lse, S_dmask, rng_state = _cuda_ext().varlen_fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
@@ -625,12 +638,204 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """KV-cache decoding. Not implemented yet: its split-KV kernels come in a later issue."""
-    raise NotImplementedError(
-        "flash_attn: flash_attn_with_kvcache is not implemented in this build yet (its split-KV "
-        "decoding kernels are a separate piece of work); use flash_attn_func or "
-        "flash_attn_varlen_func with block_table for now."
-    )
+    """Attention of q over a KV cache, appending new keys first: decoding and chunked prefill.
+
+    q: (batch, seqlen_q, nheads, headdim), headdim a multiple of 8 (at most 256).
+    k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or with block_table
+        (batch, max_blocks) int32 a paged cache (num_blocks, page_block_size, nheads_k, headdim),
+        page_block_size any multiple of 16. nheads divisible by nheads_k (GQA/MQA).
+    k, v: optional (batch, seqlen_new, nheads_k, headdim): written into the cache in place at
+        positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, after rotary.
+    rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), seqlen_ro at least the cache
+        length; need k and v. New keys are rotated at their cache positions; q at positions
+        cache_seqlens[b] + i when causal or local, else every query at cache_seqlens[b].
+        rotary_interleaved: rotate pairs (0, 1), (2, 3), ... instead of the two halves.
+    cache_seqlens: int or (batch,) int32: keys already in the cache (0 if None).
+    cache_batch_idx: optional (batch,) int32: the cache row of each batch entry (not paged).
+    cache_leftpad: optional (batch,) int32: the cache row's keys start there (left padding).
+    causal / window_size / softcap / alibi_slopes: as in flash_attn_func, with the mask aligned to
+        the bottom-right corner of (seqlen_q, keys of the entry).
+    num_splits: CTAs sharing one (query block, head)'s key range (split-KV); 0 chooses from the
+        GPU's occupancy, 1 disables splitting.
+    Returns out (batch, seqlen_q, nheads, headdim), plus softmax_lse (batch, nheads, seqlen_q)
+    with return_softmax_lse. No backward.
+    """
+    cache_seqlens = _check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                        cache_seqlens, cache_batch_idx, cache_leftpad,
+                                        block_table, causal, window_size, softcap, alibi_slopes,
+                                        num_splits)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** (-0.5)
+    window_left, window_right = _normalize_window(window_size, causal)
+    local = window_left >= 0 or window_right >= 0
+    if rotary_cos is not None:
+        q = _rotate_queries(q, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
+                            per_token=causal or local)
+    seqlens_k = cache_seqlens
+    if k is not None:
+        if rotary_cos is not None:
+            from flash_attn.ops.triton.rotary import apply_rotary
+
+            k = apply_rotary(k, rotary_cos, rotary_sin, seqlen_offsets=cache_seqlens,
+                             interleaved=rotary_interleaved)
+        _append_to_cache(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        seqlens_k = cache_seqlens + k.shape[1]
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    num_heads_k = k_cache.shape[2]
+    # One query against a GQA group: the group's heads become its rows (seqlen_q = group size,
+    # heads = nheads_k), so each K/V tile is read once per KV head. Needs masks and biases that
+    # are the same for every row: no window, no ALiBi (causal is void with one query).
+    swap = seqlen_q == 1 and num_heads > num_heads_k and not local and alibi_slopes is None
+    if swap:
+        group = num_heads // num_heads_k
+        q = q.reshape(batch, num_heads_k, group, head_dim).transpose(1, 2)
+        causal, window_right = False, -1
+    out, softmax_lse = torch.ops.flash_attn._flash_attn_kvcache_forward(
+        q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+        softmax_scale, causal, window_left, window_right, softcap, num_splits)
+    if swap:
+        out = out.transpose(1, 2).reshape(batch, 1, num_heads, head_dim)
+        softmax_lse = softmax_lse.reshape(batch, num_heads, 1)  # (b, h_k, group): head-major
+    return (out, softmax_lse) if return_softmax_lse else out
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_kvcache_forward", mutates_args=(),
+                         device_types="cuda")
+def _flash_attn_kvcache_forward(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
+    cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+    softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+    softcap: float, num_splits: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, softmax_lse = _cuda_ext().fwd_kvcache(
+        q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+        None, softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits)
+    return out, softmax_lse
+
+
+@_flash_attn_kvcache_forward.register_fake
+def _(q, k_cache, v_cache, seqlens_k, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+      softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits):
+    batch, seqlen_q, num_heads, _ = q.shape
+    return (torch.empty_like(q),
+            q.new_empty((batch, num_heads, seqlen_q), dtype=torch.float32))
+
+
+def _check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                        cache_batch_idx, cache_leftpad, block_table, causal, window_size, softcap,
+                        alibi_slopes, num_splits):
+    """Every argument check of flash_attn_with_kvcache; returns cache_seqlens as a (batch,) int32
+    tensor."""
+    paged = block_table is not None
+    _check_attention_args(q, k_cache, v_cache, varlen=False, alibi_slopes=alibi_slopes,
+                          block_table=block_table, window_size=window_size, softcap=softcap,
+                          names=("q", "k_cache", "v_cache"), kv_batch_like_q=False,
+                          check_devices=False)
+    batch, _, _, head_dim = q.shape
+    num_heads_k = k_cache.shape[2]
+    if head_dim % 8 != 0:
+        _fail("q", "of a head dim that is a multiple of 8 (the cache cannot be padded in place)",
+              head_dim)
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if (k is None) != (v is None):
+        _fail("k and v", "given together", f"k {'None' if k is None else 'given'}, v "
+              f"{'None' if v is None else 'given'}")
+    if k is not None:
+        shape = (batch, k.shape[1] if k.dim() == 4 else -1, num_heads_k, head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != shape:
+                _fail(name, f"(batch, seqlen_new, nheads_k, headdim) = {shape}",
+                      f"shape {tuple(getattr(t, 'shape', ()))}")
+            if t.dtype != q.dtype:
+                _fail(name, f"{q.dtype} like q", t.dtype)
+    if rotary_cos is not None or rotary_sin is not None:
+        if k is None:
+            _fail("rotary_cos", "given with the new k and v it rotates", "no k")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or 2 * t.shape[1] > head_dim:
+                _fail(name, f"a 2-D (seqlen_ro, rotary_dim / 2) tensor, rotary_dim <= {head_dim}",
+                      f"{getattr(t, 'shape', t)}")
+        if rotary_cos.shape != rotary_sin.shape:
+            _fail("rotary_sin", f"of rotary_cos's shape {tuple(rotary_cos.shape)}",
+                  tuple(rotary_sin.shape))
+        if rotary_cos.shape[0] < capacity:
+            _fail("rotary_cos", f"at least the cache's {capacity} positions long",
+                  rotary_cos.shape[0])
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity:
+            _fail("cache_seqlens", f"in [0, {capacity}]", cache_seqlens)
+    for name, t, shape in (("cache_seqlens", None if isinstance(cache_seqlens, int) else cache_seqlens, (batch,)),
+                           ("cache_batch_idx", cache_batch_idx, (batch,)),
+                           ("cache_leftpad", cache_leftpad, (batch,))):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32
+                              or tuple(t.shape) != shape):
+            _fail(name, f"an int32 tensor of shape {shape}",
+                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if paged and cache_batch_idx is not None:
+        _fail("cache_batch_idx", "None with block_table (the table maps batch entries)", "a tensor")
+    if not paged and cache_batch_idx is None and k_cache.shape[0] < batch:
+        _fail("k_cache", f"at least q's {batch} batch rows", k_cache.shape[0])
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        _fail("num_splits", "an int >= 0 (0: chosen automatically)", num_splits)
+    if cache_seqlens is None:
+        cache_seqlens = 0
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity:
+            _fail("cache_seqlens", f"in [0, {capacity}]", cache_seqlens)
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if _host_checks_enabled():
+        new = 0 if k is None else k.shape[1]
+        lengths = cache_seqlens.tolist()
+        if any(n < 0 or n + new > capacity for n in lengths):
+            _fail("cache_seqlens", f"in [0, {capacity - new}] (the cache holds {capacity}, "
+                  f"{new} are appended)", lengths)
+        if cache_leftpad is not None and any(p < 0 or p > n for p, n in
+                                             zip(cache_leftpad.tolist(), lengths)):
+            _fail("cache_leftpad", "in [0, cache_seqlens]", cache_leftpad.tolist())
+        if cache_batch_idx is not None and any(not 0 <= i < k_cache.shape[0]
+                                               for i in cache_batch_idx.tolist()):
+            _fail("cache_batch_idx", f"rows in [0, {k_cache.shape[0]})", cache_batch_idx.tolist())
+        if paged:
+            used = [row[: -(-(n + new) // k_cache.shape[1])]
+                    for row, n in zip(block_table.tolist(), lengths)]
+            if any(not 0 <= blk < k_cache.shape[0] for row in used for blk in row):
+                _fail("block_table", f"block indices in [0, {k_cache.shape[0]})", used)
+    _check_devices(q, [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                       ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                       ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                       ("cache_leftpad", cache_leftpad), ("block_table", block_table),
+                       ("alibi_slopes", alibi_slopes)])
+    return cache_seqlens
+
+
+def _rotate_queries(q, cos, sin, cache_seqlens, interleaved, per_token):
+    """q rotated at positions cache_seqlens[b] + i (per_token), else all at cache_seqlens[b]."""
+    from flash_attn.ops.triton.rotary import apply_rotary
+
+    if per_token:
+        return apply_rotary(q, cos, sin, seqlen_offsets=cache_seqlens, interleaved=interleaved)
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    # Every query at one position: fold the queries into the head axis of a single-token tensor.
+    folded = q.reshape(batch, 1, seqlen_q * num_heads, head_dim)
+    rotated = apply_rotary(folded, cos, sin, seqlen_offsets=cache_seqlens, interleaved=interleaved)
+    return rotated.view(batch, seqlen_q, num_heads, head_dim)
+
+
+def _append_to_cache(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    """k, v (batch, seqlen_new, h_k, d) into the caches at rows cache_seqlens[b] + i, in place."""
+    batch, seqlen_new = k.shape[:2]
+    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k.device)
+    if block_table is not None:
+        page = k_cache.shape[1]
+        blocks = torch.gather(block_table.long(), 1, positions // page)
+        index = (blocks, positions % page)
+    else:
+        rows = (torch.arange(batch, device=k.device) if cache_batch_idx is None
+                else cache_batch_idx.long())
+        index = (rows[:, None].expand(batch, seqlen_new), positions)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
 
 
 # The forward's key-block size per kernel head dim, without and with dropout: the mirror of

@@ -17,7 +17,6 @@ from flash_attn import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
 )
 from flash_attn.flash_attn_interface import _get_block_size_n
 from flash_attn.utils.testing import (
@@ -193,7 +192,7 @@ def test_varlen(seqlen_q, seqlen_k, d, dtype, mha_type, causal, local, alibi, so
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mha_type", ["mha", "gqa"])
-@pytest.mark.parametrize("page_block_size", [256, 512])
+@pytest.mark.parametrize("page_block_size", [16, 48, 256, 512])
 def test_varlen_paged(d, dtype, causal, mha_type, page_block_size):
     """K/V in a paged cache: block_table maps each sequence's logical blocks to shuffled pages."""
     torch.manual_seed(d + page_block_size)
@@ -438,12 +437,6 @@ def test_bad_input_names_the_argument(call, match):
         pytest.skip("CPU tensors are the bad input here")
     with pytest.raises(ValueError, match=match):
         call()
-
-
-def test_kvcache_is_clearly_not_implemented():
-    q = torch.randn(1, 1, 2, 16).half()
-    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache"):
-        flash_attn_with_kvcache(q, q, q)
 
 
 @gpu

@@ -18,6 +18,10 @@ namespace {
 #define FLASH_CHECK(cond, ...) TORCH_CHECK(cond, "flash_attn: ", __VA_ARGS__)
 
 constexpr int kMaxHeadDim = 256;
+// Paged K/V: pages of any multiple of 16 rows (the kernels gather a key block's rows page by page).
+constexpr int kPageMultiple = 16;
+// Split-KV: at most this many CTAs share one (query block, batch, head).
+constexpr int kMaxSplits = 128;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -202,8 +206,8 @@ int64_t check_varlen_inputs(const at::Tensor &q, const at::Tensor &k, const at::
         FLASH_CHECK(k.dim() == 4, "k must be 4-D (num_blocks, page_block_size, heads_k, head_dim) with "
                     "block_table, got shape ", k.sizes());
         check_like_q(k, "k", q, {k.size(0), k.size(1), k.size(2), q.size(2)});
-        FLASH_CHECK(k.size(1) % 256 == 0, "the page_block_size of a paged k/v (k.size(1)) must be a "
-                    "multiple of 256, got ", k.size(1));
+        FLASH_CHECK(k.size(1) > 0 && k.size(1) % kPageMultiple == 0, "the page_block_size of a paged k/v "
+                    "(k.size(1)) must be a positive multiple of ", kPageMultiple, ", got ", k.size(1));
     } else {
         FLASH_CHECK(k.dim() == 3, "k must be 3-D (total_k, heads_k, head_dim), got shape ", k.sizes());
         check_like_q(k, "k", q, {k.size(0), k.size(1), q.size(2)});
@@ -260,10 +264,10 @@ std::vector<at::Tensor> mha_varlen_fwd(
     const bool paged = block_table_.has_value();
     const int64_t batch = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, paged);
     const int64_t total_q = q.size(0), heads = q.size(1);
-    FLASH_CHECK(!leftpad_k_.has_value(), "leftpad_k is not supported by varlen_fwd");
     FLASH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q and max_seqlen_k must be >= 0");
     if (paged) { check_int32(block_table_.value(), "block_table", q, {batch, block_table_->size(-1)}); }
     if (seqused_k_.has_value()) { check_int32(seqused_k_.value(), "seqused_k", q, {batch}); }
+    if (leftpad_k_.has_value()) { check_int32(leftpad_k_.value(), "leftpad_k", q, {batch}); }
     at::cuda::CUDAGuard device_guard{q.device()};
 
     at::Tensor out = out_or_new(out_, q);
@@ -280,6 +284,7 @@ std::vector<at::Tensor> mha_varlen_fwd(
     params.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
     params.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
     params.seqused_k = seqused_k_.has_value() ? seqused_k_->data_ptr<int>() : nullptr;
+    params.leftpad_k = leftpad_k_.has_value() ? leftpad_k_->data_ptr<int>() : nullptr;
     at::Tensor p = make_s_dmask(params, q, return_softmax);
     at::Tensor rng_state = set_dropout_rng(params, q, gen_);
 
@@ -291,6 +296,93 @@ std::vector<at::Tensor> mha_varlen_fwd(
         flash::run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());
     }
     return {out, softmax_lse, p, rng_state};
+}
+
+// How many CTAs share the key range of one (query block, batch, head). Two forward CTAs fit an SM
+// (registers) up to head dim 128, and a decode step is bound by memory: the grid should fill
+// those slots. 1 when the unsplit grid already does; else the fewest splits whose last wave is
+// at least 85% as full as the best count's.
+int choose_num_splits(int64_t ctas, int sms, int n_blocks) {
+    const int slots = 2 * sms;
+    if (ctas >= int64_t(0.8 * slots) || n_blocks <= 1) { return 1; }
+    const int max_splits = std::min(kMaxSplits, n_blocks);
+    auto wave_fill = [&](int splits) {
+        const double waves = double(ctas * splits) / slots;
+        return waves / std::ceil(waves);
+    };
+    double best = 0.0;
+    for (int s = 1; s <= max_splits; ++s) { best = std::max(best, wave_fill(s)); }
+    for (int s = 1; s <= max_splits; ++s) {
+        if (wave_fill(s) >= 0.85 * best) { return s; }
+    }
+    return 1;
+}
+
+// flash_attn_with_kvcache's attention (the new keys are already in the cache, rotated): q (b, s_q,
+// h, d) against each entry's keys [leftpad_k[b], seqlens_k[b]) of its cache row, k/v caches
+// (b_cache, s_cache, h_k, d) or paged (num_blocks, page_block_size, h_k, d) with block_table
+// (b, max_blocks). num_splits 0 = chosen here. -> out, softmax_lse (b, h, s_q).
+std::vector<at::Tensor> mha_fwd_kvcache(
+    const at::Tensor &q, const at::Tensor &kcache, const at::Tensor &vcache, const at::Tensor &seqlens_k,
+    std::optional<at::Tensor> kv_batch_idx_, std::optional<at::Tensor> leftpad_k_,
+    std::optional<at::Tensor> block_table_, std::optional<at::Tensor> alibi_slopes_,
+    std::optional<at::Tensor> out_, double softmax_scale, bool is_causal, int64_t window_size_left,
+    int64_t window_size_right, double softcap, int64_t num_splits) {
+    check_q(q, 4);
+    const bool paged = block_table_.has_value();
+    const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2);
+    FLASH_CHECK(kcache.dim() == 4, "k_cache must be 4-D, got shape ", kcache.sizes());
+    check_like_q(kcache, "k_cache", q, {kcache.size(0), kcache.size(1), kcache.size(2), q.size(3)});
+    check_like_q(vcache, "v_cache", q, kcache.sizes());
+    check_heads(q, kcache);
+    check_int32(seqlens_k, "cache_seqlens", q, {batch});
+    int64_t seqlen_k = kcache.size(1);
+    if (paged) {
+        check_int32(block_table_.value(), "block_table", q, {batch, block_table_->size(1)});
+        FLASH_CHECK(!kv_batch_idx_.has_value(), "cache_batch_idx cannot be combined with block_table");
+        FLASH_CHECK(kcache.size(1) % kPageMultiple == 0, "the page_block_size of a paged k_cache (k_cache.size(1)) "
+                    "must be a multiple of ", kPageMultiple, ", got ", kcache.size(1));
+        seqlen_k = block_table_->size(1) * kcache.size(1);
+    } else if (!kv_batch_idx_.has_value()) {
+        FLASH_CHECK(kcache.size(0) >= batch, "k_cache must have at least the ", batch, " rows of q's batch, got ",
+                    kcache.size(0));
+    }
+    if (kv_batch_idx_.has_value()) { check_int32(kv_batch_idx_.value(), "cache_batch_idx", q, {batch}); }
+    if (leftpad_k_.has_value()) { check_int32(leftpad_k_.value(), "cache_leftpad", q, {batch}); }
+    FLASH_CHECK(num_splits >= 0, "num_splits must be >= 0, got ", num_splits);
+    at::cuda::CUDAGuard device_guard{q.device()};
+
+    at::Tensor out = out_or_new(out_, q);
+    auto softmax_lse = at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
+    flash::AttentionParams params;
+    set_common_params(params, q, kcache, vcache, out, softmax_lse, int(batch), int(seqlen_q), int(seqlen_k),
+                      0.f, float(softmax_scale), is_causal, int(window_size_left), int(window_size_right),
+                      float(softcap), alibi_slopes_);
+    params.seqused_k = seqlens_k.data_ptr<int>();
+    if (kv_batch_idx_.has_value()) { params.kv_batch_idx = kv_batch_idx_->data_ptr<int>(); }
+    if (leftpad_k_.has_value()) { params.leftpad_k = leftpad_k_->data_ptr<int>(); }
+    if (paged) {
+        params.block_table = block_table_->data_ptr<int>();
+        params.block_table_batch_stride = block_table_->stride(0);
+        params.page_block_size = int(kcache.size(1));
+    }
+
+    const int kernel_head_dim = flash::kernel_head_dim(params.head_dim);
+    const int block_m = flash::forward_block_m(kernel_head_dim), block_n = flash::forward_block_n(kernel_head_dim);
+    const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+    const int64_t ctas = batch * heads * ((seqlen_q + block_m - 1) / block_m);
+    const int n_blocks = int((seqlen_k + block_n - 1) / block_n);
+    params.num_splits = num_splits > 0 ? int(std::min<int64_t>({num_splits, kMaxSplits, std::max(n_blocks, 1)}))
+                                       : choose_num_splits(ctas, sms, n_blocks);
+    at::Tensor oaccum, lse_accum;
+    if (params.num_splits > 1) {
+        oaccum = at::empty({params.num_splits, batch, heads, seqlen_q, params.head_dim}, q.options().dtype(at::kFloat));
+        lse_accum = at::empty({params.num_splits, batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
+        params.oaccum_ptr = oaccum.data_ptr<float>();
+        params.softmax_lse_accum_ptr = lse_accum.data_ptr<float>();
+    }
+    if (out.numel() > 0) { flash::run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream()); }
+    return {out, softmax_lse};
 }
 
 // ---- backward ---------------------------------------------------------------------------------
@@ -457,6 +549,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash_attn: exact tiled attention kernels (CUDA)";
     m.def("fwd", &mha_fwd, "Attention forward, (batch, seqlen, heads, head_dim) inputs");
     m.def("varlen_fwd", &mha_varlen_fwd, "Attention forward, variable-length (total, heads, head_dim) inputs");
+    m.def("fwd_kvcache", &mha_fwd_kvcache, "Attention forward over a (paged) KV cache, with split-KV");
     m.def("kernel_head_dim", &flash::kernel_head_dim,
           "The head dim of the compiled kernel that runs inputs of this head dim (0: none)");
     m.def("bwd", &mha_bwd, "Attention backward, (batch, seqlen, heads, head_dim) inputs");

@@ -290,9 +290,6 @@ class LinearResidual(nn.Linear):
         return super().forward(input), input
 
 
-_KVCACHE_KERNEL = {"available": None}  # None: not tried yet
-
-
 def _new_kv_cache(batch_size, max_seqlen, num_heads_kv, head_dim, dtype, device):
     # zeros, not empty: the PyTorch path multiplies masked (probability 0) slots by them.
     return torch.zeros(batch_size, max_seqlen, 2, num_heads_kv, head_dim, dtype=dtype,
@@ -324,20 +321,6 @@ def _update_kv_cache(kv, inference_params, layer_idx):
                          f"{tuple(cache.shape)}")
     cache[batch_start:batch_end, seq_start:seq_end] = kv
     return cache[batch_start:batch_end, :seq_end]
-
-
-def _try_flash_kvcache(q, kv_cache, kv, cache_seqlens, **kwargs):
-    """flash_attn_with_kvcache, or None while this build has no kv-cache kernel."""
-    if _KVCACHE_KERNEL["available"] is False:
-        return None
-    try:
-        out = fai.flash_attn_with_kvcache(q, kv_cache[:, :, 0], kv_cache[:, :, 1], kv[:, :, 0],
-                                          kv[:, :, 1], cache_seqlens=cache_seqlens, **kwargs)
-    except NotImplementedError:
-        _KVCACHE_KERNEL["available"] = False
-        return None
-    _KVCACHE_KERNEL["available"] = True
-    return out
 
 
 def dense_classes(fused_bias_fc):
@@ -448,16 +431,17 @@ class MHA(nn.Module):
         cache_seqlens = (lengths[start: start + q.shape[0]] if lengths is not None
                          else inference_params.seqlen_offset)
         use_flash = self.use_flash_attn and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-        if use_flash:
+        if use_flash and self.head_dim % 8 == 0:
             seqlens = cache_seqlens
             if not isinstance(seqlens, torch.Tensor):
                 seqlens = torch.full((q.shape[0],), seqlens, dtype=torch.int32, device=q.device)
-            out = _try_flash_kvcache(q, cache, kv, seqlens.to(torch.int32),
-                                     softmax_scale=self.inner_cross_attn.softmax_scale,
-                                     causal=self.causal, window_size=self.window_size,
-                                     alibi_slopes=_fp32(self.inner_cross_attn.alibi_slopes))
-            if out is not None:
-                return out
+            # The caches are views into one (b, s, 2, h_k, d) buffer; the kernel appends kv in place.
+            return fai.flash_attn_with_kvcache(
+                q, cache[:, :, 0], cache[:, :, 1], kv[:, :, 0], kv[:, :, 1],
+                cache_seqlens=seqlens.to(torch.int32),
+                softmax_scale=self.inner_cross_attn.softmax_scale, causal=self.causal,
+                window_size=self.window_size,
+                alibi_slopes=_fp32(self.inner_cross_attn.alibi_slopes))
         seqlen = q.shape[1]
         if isinstance(cache_seqlens, int):
             cache[:, cache_seqlens: cache_seqlens + seqlen] = kv

@@ -52,10 +52,17 @@ struct AttentionParams {
     const int *__restrict__ seqused_k = nullptr;  // optional: keys actually used per sequence
 
     // Paged K/V: k/v are (num_blocks, page_block_size, heads_k, head_dim); block_table maps
-    // (batch, logical block) to a physical block. page_block_size is a multiple of every kBlockN.
+    // (batch, logical page) to a physical block. page_block_size is any multiple of 16: a key
+    // block may span several pages (its rows are gathered one by one).
     const int *__restrict__ block_table = nullptr;
     index_t block_table_batch_stride = 0;
     int page_block_size = 0;
+
+    // KV cache (flash_attn_with_kvcache): batch entry b reads the cache row kv_batch_idx[b] (else
+    // b) and its keys start at row leftpad_k[b] of it (else 0); seqused_k[b] is then the end of
+    // its keys in the cache, so the entry has seqused_k[b] - leftpad_k[b] keys.
+    const int *__restrict__ kv_batch_idx = nullptr;
+    const int *__restrict__ leftpad_k = nullptr;
 
     // Softmax. With softcap > 0 the kernel computes tanh(qk * softcap_input_scale) and the softmax
     // scale becomes softcap, so that score = softcap * tanh(qk * scale / softcap).
@@ -98,8 +105,14 @@ struct AttentionParams {
     float *__restrict__ softmax_d_ptr = nullptr;
     // deterministic: num_splits CTAs per (batch, head) each walk their own key blocks and add into
     // their own dq_accum slice in a fixed order; otherwise one CTA per key block, one slice.
+    // Forward (split-KV): num_splits CTAs per (query block, batch, head) each take a contiguous
+    // share of its key blocks and write O normalised by their own row sums and their lse, in fp32,
+    // to oaccum (num_splits, batch, heads, seqlen_q, kernel head dim) and softmax_lse_accum
+    // (num_splits, batch, heads, seqlen_q); the combine kernel merges them into O and softmax_lse.
     int num_splits = 1;
     bool deterministic = false;
+    float *__restrict__ oaccum_ptr = nullptr;
+    float *__restrict__ softmax_lse_accum_ptr = nullptr;
     float softmax_scale = 1.f;  // the caller's scale of q k^T (scale_softmax is softcap with softcap)
 
     bool is_bf16 = false;
@@ -111,7 +124,8 @@ inline constexpr int64_t dropout_offsets_per_launch(int seqlen_k_rounded) {
     return 32 * int64_t(seqlen_k_rounded / 16);
 }
 
-// Launches the forward kernel chosen by (dtype, head dim, dropout, mask) for these params.
+// Launches the forward kernel chosen by (dtype, head dim, dropout, mask) for these params, and
+// with num_splits > 1 the combine kernel after it.
 void run_mha_fwd(AttentionParams &params, cudaStream_t stream);
 
 // Launches the backward: rowsum(dO * O), the dK/dV/dQ kernel, and dq_accum -> dq.
@@ -123,5 +137,9 @@ int kernel_head_dim(int head_dim);
 bool compiled_dtype(bool is_bf16);
 // Key-block size of the backward kernel (the binding sizes the deterministic dq_accum by it).
 int backward_block_n(int kernel_head_dim);
+// Query- and key-block sizes of the forward kernel without dropout (the binding chooses the
+// split-KV count from them).
+int forward_block_m(int kernel_head_dim);
+int forward_block_n(int kernel_head_dim);
 
 }  // namespace flash

@@ -251,13 +251,13 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     }
 
     const int bidh_k = bidh / params.heads_per_head_k;
-    const int64_t k_row0 = seq.k_offset(params.k_batch_stride, params.k_row_stride, bidb) +
+    const int64_t k_row0 = seq.k_offset(params.k_batch_stride, params.k_row_stride) +
                            int64_t(n_block) * kBlockN * params.k_row_stride + int64_t(bidh_k) * params.k_head_stride;
-    const int64_t v_row0 = seq.k_offset(params.v_batch_stride, params.v_row_stride, bidb) +
+    const int64_t v_row0 = seq.k_offset(params.v_batch_stride, params.v_row_stride) +
                            int64_t(n_block) * kBlockN * params.v_row_stride + int64_t(bidh_k) * params.v_head_stride;
-    const int64_t dk_row0 = seq.k_offset(params.dk_batch_stride, params.dk_row_stride, bidb) +
+    const int64_t dk_row0 = seq.k_offset(params.dk_batch_stride, params.dk_row_stride) +
                             int64_t(n_block) * kBlockN * params.dk_row_stride + int64_t(bidh) * params.dk_head_stride;
-    const int64_t dv_row0 = seq.k_offset(params.dv_batch_stride, params.dv_row_stride, bidb) +
+    const int64_t dv_row0 = seq.k_offset(params.dv_batch_stride, params.dv_row_stride) +
                             int64_t(n_block) * kBlockN * params.dv_row_stride + int64_t(bidh) * params.dv_head_stride;
 
     typename Traits::TiledMmaSdP tiled_mma_sdp;

@@ -17,6 +17,9 @@ template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 void run_mha_fwd_(AttentionParams &params, cudaStream_t stream);
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 void run_mha_bwd_(AttentionParams &params, cudaStream_t stream);
+// Defined in flash_combine.cu.
+template <typename Element>
+void run_combine(AttentionParams &params, cudaStream_t stream);
 
 namespace {
 
@@ -44,6 +47,7 @@ struct ForwardLaunch {
         with_flags(params, [&](auto dropout, auto masked) {
             run_mha_fwd_<Element, kHeadDim, decltype(dropout)::value, decltype(masked)::value>(params, stream);
         });
+        if (params.num_splits > 1) { run_combine<Element>(params, stream); }
     }
 };
 
@@ -95,6 +99,24 @@ int kernel_head_dim(int head_dim) {
 }
 
 bool compiled_dtype(bool is_bf16) { return is_bf16 ? FLASH_COMPILED_BF16 : FLASH_COMPILED_FP16; }
+
+int forward_block_m(int head_dim) {
+    switch (head_dim) {
+#define FLASH_HEAD_DIM_CASE(D) case D: return ForwardTile<D, false>::kBlockM;
+        FLASH_FOR_EACH_COMPILED_HEAD_DIM(FLASH_HEAD_DIM_CASE)
+#undef FLASH_HEAD_DIM_CASE
+    }
+    return 0;
+}
+
+int forward_block_n(int head_dim) {
+    switch (head_dim) {
+#define FLASH_HEAD_DIM_CASE(D) case D: return ForwardTile<D, false>::kBlockN;
+        FLASH_FOR_EACH_COMPILED_HEAD_DIM(FLASH_HEAD_DIM_CASE)
+#undef FLASH_HEAD_DIM_CASE
+    }
+    return 0;
+}
 
 int backward_block_n(int head_dim) {
     switch (head_dim) {

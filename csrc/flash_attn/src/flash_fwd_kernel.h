@@ -5,12 +5,18 @@
 // softcap, mask and ALiBi, online softmax, dropout, O += P V (P straight from registers). On
 // sm90 the two products run on wgmma where the tile allows (wgmma.h), else on mma.sync.
 // cp.async loads V of this block during S = Q K^T and K of the next block during P V.
+//
+// The pieces it wires together: which key blocks it walks (fwd_block_range.h: the mask's bounds
+// and the split-KV share), the loads (contiguous, or paged with a row gather), the main loop, and
+// where the results go (fwd_epilogue.h: final O + lse, or a split's partial O + lse).
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "dropout.h"
 #include "flash.h"
+#include "fwd_block_range.h"
+#include "fwd_epilogue.h"
 #include "kernel_traits.h"
 #include "mask.h"
 #include "sequence_info.h"
@@ -28,54 +34,13 @@ __device__ __forceinline__ float fast_tanh(float x) {
     return y;
 }
 
-// Element offset of key block n_block's first row (K and V share the layout).
-template <int kBlockN>
-__device__ __forceinline__ int64_t kv_block_offset(const AttentionParams &params, int bidb, int n_block,
-                                                   int64_t batch_stride, int64_t row_stride) {
-    const int row = n_block * kBlockN;
-    if (params.block_table == nullptr) { return int64_t(row) * row_stride; }
-    const int page = params.block_table[bidb * params.block_table_batch_stride + row / params.page_block_size];
-    return int64_t(page) * batch_stride + int64_t(row % params.page_block_size) * row_stride;
-}
-
-// Index of (batch, head, row) in softmax_lse: (heads, total_q) for varlen inputs, else
-// (batch, heads, seqlen_q).
-__device__ __forceinline__ int64_t lse_index(const AttentionParams &params, const SequenceInfo &seq,
-                                             int bidb, int bidh, int row) {
-    return seq.q_start >= 0 ? int64_t(bidh) * params.total_q + seq.q_start + row
-                            : (int64_t(bidb) * params.heads + bidh) * params.seqlen_q + row;
-}
-
-// Writes this thread's part of an O tile (registers, laid out like gO's partition) to global
-// memory: rows below rows_valid, columns below the head dim.
-template <typename Traits, typename TensorR, typename TensorG>
-__device__ __forceinline__ void store_o_tile(const AttentionParams &params, TensorR const &tOrO, TensorG &tOgO,
-                                             int rows_valid) {
-    constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-    typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
-    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(threadIdx.x);
-    Tensor tOcO = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    Tensor tOpO = col_predicates(tOcO, params.head_dim);
-    const bool full = params.head_dim == kHeadDim && rows_valid >= kBlockM;
-    copy_tile<false>(gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, rows_valid, full);
-}
-
-// Rows of Q/O this CTA owns that get no key at all (causal/window with seqlen_q > seqlen_k, or
-// an empty key sequence): output 0, lse +inf.
-template <typename Traits, typename TensorGO>
-__device__ void write_empty_rows(const AttentionParams &params, const SequenceInfo &seq, TensorGO &gO,
-                                 int m_block, int bidb, int bidh) {
-    using Element = typename Traits::Element;
-    constexpr int kBlockM = Traits::kBlockM;
-    typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
-    Tensor tOgO = gmem_tiled_copy_O.get_thread_slice(threadIdx.x).partition_D(gO);
-    Tensor tOrO = make_tensor<Element>(shape(tOgO));
-    clear(tOrO);
-    store_o_tile<Traits>(params, tOrO, tOgO, seq.seqlen_q - m_block * kBlockM);
-    for (int r = threadIdx.x; r < kBlockM; r += Traits::kNThreads) {
-        const int row = m_block * kBlockM + r;
-        if (row < seq.seqlen_q) { params.softmax_lse_ptr[lse_index(params, seq, bidb, bidh, row)] = INFINITY; }
-    }
+// Element offset of the row `row` of this entry's keys in a paged K/V: its page (looked up in the
+// block table) and its row in the page.
+__device__ __forceinline__ int64_t paged_row_offset(const AttentionParams &params, const SequenceInfo &seq,
+                                                    int bidb, int row, int64_t batch_stride, int64_t row_stride) {
+    const int logical = seq.k_first_row + row;
+    const int page = params.block_table[bidb * params.block_table_batch_stride + logical / params.page_block_size];
+    return int64_t(page) * batch_stride + int64_t(logical % params.page_block_size) * row_stride;
 }
 
 template <typename Traits, bool Is_dropout, bool Is_masked>
@@ -88,7 +53,9 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     extern __shared__ __align__(1024) char smem[];  // 1024: the swizzled tiles as wgmma reads them
     // Heaviest query blocks first (under a causal mask the last rows see the most keys), so that
     // the light ones fill the tail of the grid.
-    const int m_block = gridDim.x - 1 - blockIdx.x, bidb = blockIdx.y, bidh = blockIdx.z;
+    const int m_block = gridDim.x - 1 - blockIdx.x, bidb = blockIdx.y;
+    // Heads vary fastest along z so that the CTAs of one GQA group (same K/V) run side by side.
+    const int bidh = blockIdx.z % params.heads, split = blockIdx.z / params.heads;
     const int tidx = threadIdx.x, lane = tidx % 32;
 
     if constexpr (Is_dropout) {
@@ -102,20 +69,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
 
     const SequenceInfo seq(params, bidb);
     if (m_block * kBlockM >= seq.seqlen_q) { return; }
-    const int diag = seq.seqlen_k - seq.seqlen_q;
-
-    // Key blocks this query block may see.
-    int n_block_min = 0;
-    int n_block_max = ceil_div(seq.seqlen_k, kBlockN);
-    if constexpr (Is_masked) {
-        if (params.window_size_right >= 0) {
-            n_block_max = min(n_block_max,
-                              ceil_div((m_block + 1) * kBlockM + diag + params.window_size_right, kBlockN));
-        }
-        if (params.window_size_left >= 0) {
-            n_block_min = max(0, (m_block * kBlockM + diag - params.window_size_left) / kBlockN);
-        }
-    }
+    const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, split);
+    const int n_block_min = range.n_block_min, n_block_max = range.n_block_max;
 
     const int64_t q_offset = seq.q_offset(params.q_batch_stride, params.q_row_stride, bidb);
     const int64_t o_offset = seq.q_offset(params.o_batch_stride, params.o_row_stride, bidb);
@@ -123,8 +78,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
                             make_shape(seq.seqlen_q, params.heads, params.head_dim),
                             make_stride(params.o_row_stride, params.o_head_stride, _1{}));
     Tensor gO = local_tile(mO(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-    if (n_block_max <= n_block_min) {
-        write_empty_rows<Traits>(params, seq, gO, m_block, bidb, bidh);
+    if (range.empty()) {
+        write_empty_rows<Traits>(params, seq, gO, m_block, bidb, bidh, split);
         return;
     }
 
@@ -135,10 +90,11 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     // K/V: a (kBlockN, kHeadDim) window whose base moves to each key block (paged or not).
     const int bidh_k = bidh / params.heads_per_head_k;
     const bool paged = params.block_table != nullptr;
+    // Paged: the window's base stays at the head, and each row is placed through the block table.
     Element *k_base = reinterpret_cast<Element *>(params.k_ptr) + int64_t(bidh_k) * params.k_head_stride +
-                      (paged ? 0 : seq.k_offset(params.k_batch_stride, params.k_row_stride, bidb));
+                      (paged ? 0 : seq.k_offset(params.k_batch_stride, params.k_row_stride));
     Element *v_base = reinterpret_cast<Element *>(params.v_ptr) + int64_t(bidh_k) * params.v_head_stride +
-                      (paged ? 0 : seq.k_offset(params.v_batch_stride, params.v_row_stride, bidb));
+                      (paged ? 0 : seq.k_offset(params.v_batch_stride, params.v_row_stride));
     Tensor gK = make_tensor(make_gmem_ptr(k_base), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                             make_stride(params.k_row_stride, _1{}));
     Tensor gV = make_tensor(make_gmem_ptr(v_base), Shape<Int<kBlockN>, Int<kHeadDim>>{},
@@ -167,17 +123,27 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor tKVpKV = col_predicates(tKVcKV, params.head_dim);
 
     const bool even_k = params.head_dim == kHeadDim;
-    auto load_k = [&](int n_block) {
-        tKgK.data() = tKgK_base + kv_block_offset<kBlockN>(params, bidb, n_block, params.k_batch_stride,
-                                                             params.k_row_stride);
+    // One key block of K or V into shared memory: contiguous rows move as one strided window; paged
+    // rows each start where the block table puts them (a page may be shorter than the block).
+    auto load_kv = [&](auto &tgmem, auto const &tgmem_base, auto &tsmem, int n_block, int64_t batch_stride,
+                       int64_t row_stride) {
         const int rows = seq.seqlen_k - n_block * kBlockN;
-        copy_tile(gmem_tiled_copy, tKgK, tKsK, tKVcKV, tKVpKV, rows, even_k && rows >= kBlockN);
+        if (!paged) {
+            tgmem.data() = tgmem_base + int64_t(n_block) * kBlockN * row_stride;
+            copy_tile(gmem_tiled_copy, tgmem, tsmem, tKVcKV, tKVpKV, rows, even_k && rows >= kBlockN);
+        } else {
+            tgmem.data() = tgmem_base;
+            copy_tile_rows(gmem_tiled_copy, tgmem, tsmem, tKVcKV, tKVpKV, rows, [&](int row) {
+                return paged_row_offset(params, seq, bidb, n_block * kBlockN + row, batch_stride, row_stride) -
+                       int64_t(row) * row_stride;
+            });
+        }
+    };
+    auto load_k = [&](int n_block) {
+        load_kv(tKgK, tKgK_base, tKsK, n_block, params.k_batch_stride, params.k_row_stride);
     };
     auto load_v = [&](int n_block) {
-        tVgV.data() = tVgV_base + kv_block_offset<kBlockN>(params, bidb, n_block, params.v_batch_stride,
-                                                             params.v_row_stride);
-        const int rows = seq.seqlen_k - n_block * kBlockN;
-        copy_tile(gmem_tiled_copy, tVgV, tVsV, tKVcKV, tKVpKV, rows, even_k && rows >= kBlockN);
+        load_kv(tVgV, tVgV_base, tVsV, n_block, params.v_batch_stride, params.v_row_stride);
     };
 
     // The two GEMMs: mma.sync with shared -> register operand copies, or wgmma (S from shared
@@ -303,9 +269,19 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         }
     }
 
-    // Epilogue: normalise, stage O through shared memory for coalesced 16-byte stores, write lse.
+    // Epilogue: normalise; a split writes its partial result, else O is staged through shared
+    // memory for coalesced 16-byte stores and lse written.
+    const bool partial = params.num_splits > 1;
     float lse[kRows];
-    softmax.finalize(acc_o_rowcol, params.scale_softmax, Is_dropout ? params.rp_dropout : 1.f, lse);
+    softmax.finalize(acc_o_rowcol, params.scale_softmax, Is_dropout ? params.rp_dropout : 1.f, lse,
+                     partial ? -INFINITY : INFINITY);
+    if (partial) {
+        Tensor tOcO = tiled_mma_o.get_thread_slice(tidx).partition_C(
+            make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+        Tensor tOcO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
+        store_partial<kBlockM>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh, split);
+        return;
+    }
 
     Tensor rO = convert_type<Element>(acc_o);
     // Q's shared memory is free: its last reader (S = Q K^T) finished before the loop's last barrier.

@@ -53,16 +53,17 @@ struct OnlineSoftmax {
     }
 
     // Normalises acc_o and returns each row's log-sum-exp in natural-log units; rows that saw
-    // no key get output 0 and lse +inf (so the backward gives them no gradient).
+    // no key get output 0 and lse empty_lse (+inf for a final result, so the backward gives them
+    // no gradient; -inf for a split-KV partial, so the combine gives them no weight).
     template <typename TO>
     __device__ __forceinline__ void finalize(TO &acc_o, float scale_softmax, float out_scale,
-                                             float (&lse)[kRows]) {
+                                             float (&lse)[kRows], float empty_lse) {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             const float sum = quad_allreduce(row_sum[r], SumOp{});
             const bool empty = sum == 0.f || sum != sum;
             const float inv = empty ? 1.f : out_scale / sum;
-            lse[r] = empty ? INFINITY : row_max[r] * scale_softmax + __logf(sum);
+            lse[r] = empty ? empty_lse : row_max[r] * scale_softmax + __logf(sum);
             CUTE_UNROLL
             for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= inv; }
         }

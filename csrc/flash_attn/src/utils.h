@@ -157,4 +157,31 @@ __device__ __forceinline__ void copy_tile(TiledCopy tiled_copy, TS const &src, T
     }
 }
 
+// copy_tile for a source whose rows are not evenly spaced (paged K/V, pages shorter than the
+// tile or not aligned to it): row r of the tile starts row_shift(r) elements past where src's
+// layout places it. Out-of-bounds rows and columns are zeroed, as in copy_tile.
+template <typename TiledCopy, typename TS, typename TD, typename TC, typename TP, typename Shift>
+__device__ __forceinline__ void copy_tile_rows(TiledCopy tiled_copy, TS const &src, TD &dst,
+                                               TC const &identity, TP const &col_valid, int rows_valid,
+                                               Shift row_shift) {
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(src); ++m) {
+        const int row = get<0>(identity(0, m, 0));
+        if (row < rows_valid) {
+            const int64_t shift = row_shift(row);
+            CUTE_UNROLL
+            for (int k = 0; k < size<2>(src); ++k) {
+                if (col_valid(k)) {
+                    Tensor src_mk = make_tensor(src(_, m, k).data() + shift, src(_, m, k).layout());
+                    cute::copy(tiled_copy, src_mk, dst(_, m, k));
+                } else {
+                    cute::clear(dst(_, m, k));
+                }
+            }
+        } else {
+            cute::clear(dst(_, m, _));
+        }
+    }
+}
+
 }  // namespace flash
