@@ -54,15 +54,18 @@ def sdpa_peer(backend):
     return run
 
 
-def paged(k_cache, page_block_size, generator):
-    """The cache as shuffled pages and the block table."""
+def paged(k_cache, v_cache, page_block_size, generator):
+    """The caches as pages in one shuffled order, and that block table."""
     batch, seqlen = k_cache.shape[:2]
     blocks = seqlen // page_block_size
     table = torch.randperm(batch * blocks, generator=generator).view(batch, blocks)
-    pages = torch.empty(batch * blocks, page_block_size, *k_cache.shape[2:], dtype=k_cache.dtype,
-                        device=k_cache.device)
-    pages[table.flatten()] = k_cache.reshape(batch * blocks, page_block_size, *k_cache.shape[2:])
-    return pages, table.to(device=k_cache.device, dtype=torch.int32)
+    pages = []
+    for cache in (k_cache, v_cache):
+        paged_cache = torch.empty(batch * blocks, page_block_size, *cache.shape[2:],
+                                  dtype=cache.dtype, device=cache.device)
+        paged_cache[table.flatten()] = cache.reshape(batch * blocks, page_block_size, *cache.shape[2:])
+        pages.append(paged_cache)
+    return pages[0], pages[1], table.to(device=k_cache.device, dtype=torch.int32)
 
 
 def measure(shape, device, timer, smoke, page_sizes=()):
@@ -90,8 +93,7 @@ def measure(shape, device, timer, smoke, page_sizes=()):
             q, k_cache, v_cache, cache_seqlens=seqlen)))
         generator = torch.Generator().manual_seed(0)
         for page in page_sizes:
-            k_pages, table = paged(k_cache, page, generator)
-            v_pages, _ = paged(v_cache, page, torch.Generator().manual_seed(0))
+            k_pages, v_pages, table = paged(k_cache, v_cache, page, generator)
             out = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlen,
                                           block_table=table)
             torch.testing.assert_close(out, ours, rtol=0, atol=1e-2)

@@ -98,33 +98,35 @@ def _describe(compiler):
     return f"{compiler.family} {compiler.version}" if compiler else "not a working C++ compiler"
 
 
+# A Python extension as small as it gets that fails the way ours do: a TORCH_CHECK raised in
+# libc10, caught and translated by pybind11 in the extension (its exception_ptr and rethrow go
+# through the C++ runtime the extension was linked with).
 PROBE_SOURCE = r"""
 #include <c10/util/Exception.h>
-extern "C" int flash_attn_throw_probe() {
-    try {
-        TORCH_CHECK(false, "flash_attn host compiler probe");
-    } catch (const c10::Error &) {
-        return 1;
-    }
-    return 0;
-}
+#include <pybind11/pybind11.h>
+static void fail() { TORCH_CHECK(false, "flash_attn host compiler probe"); }
+PYBIND11_MODULE(flash_attn_compiler_probe, m) { m.def("fail", &fail); }
 """
 
 
 def throw_probe(cxx, torch_include_dirs, torch_library_dir, python):
-    """(True, "") when a shared library built by cxx (compiled and linked as torch links an
-    extension) catches a TORCH_CHECK error raised in libc10; else (False, what went wrong)."""
+    """(True, "") when an extension built by cxx (compiled and linked as torch builds one) turns a
+    TORCH_CHECK failure into a Python RuntimeError; else (False, what went wrong)."""
+    import sysconfig
     import tempfile
 
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     with tempfile.TemporaryDirectory(prefix="flash_attn_probe_") as tmp:
-        source, library = Path(tmp) / "probe.cpp", Path(tmp) / "probe.so"
+        source = Path(tmp) / "probe.cpp"
+        library = Path(tmp) / f"flash_attn_compiler_probe{suffix}"
         source.write_text(PROBE_SOURCE)
+        includes = [*torch_include_dirs, sysconfig.get_paths()["include"]]
         built = None
         # PyTorch's headers ask for C++20 from 2.13 on, C++17 before.
         for standard in ("c++20", "c++17"):
             command = [cxx, f"-std={standard}", "-O1", "-fPIC", "-shared", str(source), "-o",
-                       str(library), *[f"-I{d}" for d in torch_include_dirs],
-                       f"-L{torch_library_dir}", "-lc10", f"-Wl,-rpath,{torch_library_dir}"]
+                       str(library), *[f"-I{d}" for d in includes], f"-L{torch_library_dir}",
+                       "-lc10", f"-Wl,-rpath,{torch_library_dir}"]
             try:
                 built = subprocess.run(command, capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.TimeoutExpired) as error:
@@ -133,14 +135,16 @@ def throw_probe(cxx, torch_include_dirs, torch_library_dir, python):
                 break
         if built.returncode != 0:
             return False, f"could not build the probe: {built.stderr.strip().splitlines()[-1:]}"
-        code = ("import ctypes, sys, torch\n"
-                f"sys.exit(0 if ctypes.CDLL({str(library)!r}).flash_attn_throw_probe() == 1 else 3)")
+        code = ("import sys, torch\n"
+                f"sys.path.insert(0, {tmp!r})\n"
+                "import flash_attn_compiler_probe as probe\n"
+                "try:\n    probe.fail()\nexcept RuntimeError:\n    sys.exit(0)\nsys.exit(3)\n")
         ran = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
     if ran.returncode == 0:
         return True, ""
     if ran.returncode < 0:
         return False, f"a C++ error thrown through PyTorch killed the process (signal {-ran.returncode})"
-    return False, f"the probe did not catch PyTorch's C++ error (exit {ran.returncode})"
+    return False, f"the probe did not turn PyTorch's C++ error into RuntimeError (exit {ran.returncode})"
 
 
 def choose(torch_config, env, probe=None):

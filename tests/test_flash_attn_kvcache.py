@@ -25,11 +25,15 @@ gpu = pytest.mark.gpu
 def draw_case(seed):
     rng = random.Random(seed)
     nheads, nheads_k = rng.choice([(6, 6), (6, 2), (6, 1), (32, 8)])
+    seqlen_cache = rng.choice([16, 113, 300, 1024])
+    rotary = rng.choice([None, None, "halves", "interleaved"])
     return dict(
         batch=rng.choice([1, 3, 5]),
-        seqlen_q=rng.choice([1, 1, 1, 2, 7, 64]),
-        seqlen_new=rng.choice([0, 1, 1, 3]),
-        seqlen_cache=rng.choice([16, 113, 300, 1024]),
+        # Queries no longer than the cache (the rotary tables cover the cache's positions).
+        seqlen_q=min(rng.choice([1, 1, 1, 2, 7, 64]), seqlen_cache),
+        # Rotary rotates the new keys, so it comes with some.
+        seqlen_new=rng.choice([1, 1, 3] if rotary else [0, 1, 1, 3]),
+        seqlen_cache=seqlen_cache,
         nheads=nheads, nheads_k=nheads_k,
         head_dim=rng.choice([40, 64, 96, 128, 128, 192, 256]),
         dtype=rng.choice([torch.bfloat16, torch.bfloat16, torch.float16]),
@@ -37,7 +41,7 @@ def draw_case(seed):
         page_block_size=rng.choice([16, 48, 64, 256]),
         batch_idx=rng.random() < 0.3,
         leftpad=rng.random() < 0.25,
-        rotary=rng.choice([None, None, "halves", "interleaved"]),
+        rotary=rotary,
         rotary_fraction=rng.choice([0.5, 1.0]),
         mask=rng.choice(["none", "causal", "causal", "local"]),
         softcap=rng.choice([0.0, 0.0, 0.0, 15.0]),

@@ -152,7 +152,8 @@ def test_throw_probe_catches_a_crashing_library(tmp_path):
     if cc is None:
         pytest.skip("no C compiler here")
     crash_c = tmp_path / "crash.c"
-    crash_c.write_text("int flash_attn_throw_probe(void) { volatile int *p = 0; return *p; }\n")
+    # An importable module whose initialisation crashes: what the real crash looks like from Python.
+    crash_c.write_text("void *PyInit_flash_attn_compiler_probe(void) { volatile int *p = 0; *p = 1; return 0; }\n")
     fake = tmp_path / "crashing-g++"
     fake.write_text(f"#!/bin/sh\nout=\nprev=\nfor a in \"$@\"; do [ \"$prev\" = -o ] && out=$a; prev=$a; done\n"
                     f"exec {cc} -shared -fPIC {crash_c} -o \"$out\"\n")
