@@ -147,9 +147,44 @@ def throw_probe(cxx, torch_include_dirs, torch_library_dir, python):
     return False, f"the probe did not turn PyTorch's C++ error into RuntimeError (exit {ran.returncode})"
 
 
-def choose(torch_config, env, probe=None):
+RUNTIME_LIBRARIES = {"libstdc++": "libstdc++.so", "libgcc_s": "libgcc_s.so.1"}
+
+
+def linked_runtime(cxx):
+    """{library: real path} of the C++ runtime libraries a library built by cxx links."""
+    paths = {}
+    for name, query in RUNTIME_LIBRARIES.items():
+        try:
+            out = subprocess.run([cxx, f"-print-file-name={query}"], capture_output=True,
+                                 text=True, timeout=60).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        paths[name] = os.path.realpath(out) if os.path.isabs(out) else None
+    return paths
+
+
+def loaded_runtime(python):
+    """{library: real path} of the C++ runtime libraries a Python process runs on once torch is
+    imported (Linux: from /proc/self/maps); empty where that cannot be read."""
+    code = ("import os, torch\n"
+            "for line in open('/proc/self/maps'):\n"
+            "    path = line.split()[-1]\n"
+            f"    for name in {list(RUNTIME_LIBRARIES)!r}:\n"
+            "        if os.path.basename(path).startswith(name + '.so'):\n"
+            "            print(name, os.path.realpath(path))\n")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+
+
+def choose(torch_config, env, probe=None, runtime=None, linked=linked_runtime):
     """The host compiler for the build, or HostCompilerError saying why there is none. probe(cxx)
-    -> (ok, why not) is run on each GCC of the right major version (throw_probe in setup.py)."""
+    -> (ok, why not) is run on each GCC of the right major version (throw_probe in setup.py).
+    runtime: loaded_runtime()'s answer; compilers that link those very libraries are tried first
+    (the GPU machine's CXX is a GCC 13.3 wrapper that links its own copies, and its extensions
+    crashed on every C++ error though both probes passed)."""
     wanted = torch_gcc_major(torch_config)
     given = env.get("CXX")
     given_path = shutil.which(given, path=env.get("PATH")) if given else None
@@ -160,7 +195,17 @@ def choose(torch_config, env, probe=None):
         return Choice(cxx, _c_sibling(cxx),
                       f"host compiler {cxx} ({_describe(identify(cxx))}), unchecked: {why}")
     rejected = {}  # path -> why
-    for path in _candidates(env, wanted):
+    candidates = list(_candidates(env, wanted))
+    foreign = {}  # path -> the runtime library it links that PyTorch's process does not load
+    if runtime:
+        for path in candidates:
+            mine = linked(path)
+            differs = [f"{mine[n]} (PyTorch runs on {runtime[n]})" for n in runtime
+                       if mine.get(n) and mine[n] != runtime[n]]
+            if differs:
+                foreign[path] = differs[0]
+        candidates.sort(key=lambda p: p in foreign)  # stable: CXX first among equals
+    for path in candidates:
         found = identify(path)
         if found is None or found.family != "gcc" or found.major != wanted:
             rejected[path] = f"{_describe(found)}, not GCC {wanted}"
@@ -171,8 +216,12 @@ def choose(torch_config, env, probe=None):
             continue
         note = ""
         if given and (given_path is None or os.path.realpath(given_path) != os.path.realpath(path)):
-            reason = rejected.get(given_path) or _describe(identify(given_path or given))
+            reason = (rejected.get(given_path) or
+                      (f"it links {foreign[given_path]}" if given_path in foreign else None) or
+                      _describe(identify(given_path or given)))
             note = f"; CXX={given} was not used ({reason})"
+        if path in foreign:
+            note += f"; it links {foreign[path]}"
         checked = " that passed the exception probe" if probe is not None else ""
         return Choice(path, _c_sibling(path),
                       f"host compiler {path} (GCC {found.version}), of the GCC major version "
