@@ -16,10 +16,10 @@ Environment knobs (all optional):
   FLASH_ATTN_PREBUILT_DIR               objects of attention units compiled by
                                         scripts/prebuild_kernels.py; each is linked instead of
                                         compiled while its sources and flags are unchanged
-  CXX                                   host compiler, used when it is a GCC of the major version
-                                        PyTorch was built with; otherwise such a GCC is looked for
-                                        on PATH (csrc/host_compiler.py), and the build stops if
-                                        none is found
+  CXX                                   host compiler, used when csrc/host_compiler.py accepts it
+                                        (a GCC of PyTorch's major version passing its exception
+                                        probe, preferably linking PyTorch's libstdc++); else such
+                                        a GCC is looked for on PATH, and the build stops if none is
   FLASH_ATTN_ANY_HOST_COMPILER=1        build with CXX (or c++) unchecked
 
 The extensions build side by side, each with its own ninja file, so that the small ones compile

@@ -114,7 +114,6 @@ def _check_attention_args(q, k, v, *, varlen, cu_seqlens_q=None, cu_seqlens_k=No
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             _fail("cu_seqlens_k", f"of length {cu_seqlens_q.numel()} like cu_seqlens_q",
                   cu_seqlens_k.numel())
-    if varlen:
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if isinstance(value, bool) or int(value) != value or value < 0:
                 _fail(name, "an int >= 0", value)
@@ -188,16 +187,21 @@ def _check_varlen_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         if longest > max_seqlen:
             _fail(max_name, f"at least the longest sequence of {name} ({longest})", max_seqlen)
     if paged:
-        num_blocks, page_block_size = k.shape[0], k.shape[1]
-        capacity = block_table.shape[1] * page_block_size
-        for row, length in zip(block_table.tolist(), lengths["cu_seqlens_k"]):
+        capacity = block_table.shape[1] * k.shape[1]
+        for length in lengths["cu_seqlens_k"]:
             if length > capacity:
                 _fail("cu_seqlens_k", f"sequences of at most {capacity} keys (block_table's "
-                      f"{block_table.shape[1]} blocks of {page_block_size})", length)
-            used = row[: -(-length // page_block_size)]
-            if any(not 0 <= block < num_blocks for block in used):
-                _fail("block_table", f"block indices in [0, {num_blocks}) for the blocks a "
-                      "sequence uses", used)
+                      f"{block_table.shape[1]} blocks of {k.shape[1]})", length)
+        _check_used_blocks(block_table, lengths["cu_seqlens_k"], k.shape[0], k.shape[1])
+
+
+def _check_used_blocks(block_table, lengths, num_blocks, page_block_size):
+    """FLASH_ATTN_CHECK_INPUTS=1: the blocks each row's `lengths` keys occupy exist."""
+    for row, length in zip(block_table.tolist(), lengths):
+        used = row[: -(-length // page_block_size)]
+        if any(not 0 <= block < num_blocks for block in used):
+            _fail("block_table", f"block indices in [0, {num_blocks}) for the blocks a "
+                  "sequence uses", used)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -762,10 +766,13 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
         if rotary_cos.shape[0] < capacity:
             _fail("rotary_cos", f"at least the cache's {capacity} positions long",
                   rotary_cos.shape[0])
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= capacity:
-            _fail("cache_seqlens", f"in [0, {capacity}]", cache_seqlens)
-    for name, t, shape in (("cache_seqlens", None if isinstance(cache_seqlens, int) else cache_seqlens, (batch,)),
+    new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        cache_seqlens = 0
+    given_int = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+    if given_int and not 0 <= cache_seqlens <= capacity - new:
+        _fail("cache_seqlens", f"in [0, {capacity - new}]", cache_seqlens)
+    for name, t, shape in (("cache_seqlens", None if given_int else cache_seqlens, (batch,)),
                            ("cache_batch_idx", cache_batch_idx, (batch,)),
                            ("cache_leftpad", cache_leftpad, (batch,))):
         if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32
@@ -778,14 +785,9 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
         _fail("k_cache", f"at least q's {batch} batch rows", k_cache.shape[0])
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         _fail("num_splits", "an int >= 0 (0: chosen automatically)", num_splits)
-    if cache_seqlens is None:
-        cache_seqlens = 0
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= capacity:
-            _fail("cache_seqlens", f"in [0, {capacity}]", cache_seqlens)
+    if given_int:
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if _host_checks_enabled():
-        new = 0 if k is None else k.shape[1]
         lengths = cache_seqlens.tolist()
         if any(n < 0 or n + new > capacity for n in lengths):
             _fail("cache_seqlens", f"in [0, {capacity - new}] (the cache holds {capacity}, "
@@ -797,10 +799,8 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
                                                for i in cache_batch_idx.tolist()):
             _fail("cache_batch_idx", f"rows in [0, {k_cache.shape[0]})", cache_batch_idx.tolist())
         if paged:
-            used = [row[: -(-(n + new) // k_cache.shape[1])]
-                    for row, n in zip(block_table.tolist(), lengths)]
-            if any(not 0 <= blk < k_cache.shape[0] for row in used for blk in row):
-                _fail("block_table", f"block indices in [0, {k_cache.shape[0]})", used)
+            _check_used_blocks(block_table, [n + new for n in lengths], k_cache.shape[0],
+                               k_cache.shape[1])
     _check_devices(q, [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                        ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                        ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),

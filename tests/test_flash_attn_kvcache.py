@@ -226,14 +226,18 @@ def test_lse_matches_reference():
         torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=0, atol=2e-3)
 
 
+def decode_inputs(batch, seqlen_cache, nheads, nheads_k, head_dim, dtype):
+    """q of one token, a random (batch, seqlen_cache) cache and one new key/value per row."""
+    torch.manual_seed(0)
+    q = torch.randn(batch, 1, nheads, head_dim, device=DEVICE, dtype=dtype)
+    k_cache = torch.randn(batch, seqlen_cache, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, 1, nheads_k, head_dim, device=DEVICE, dtype=dtype)
+    return q, k_cache, torch.randn_like(k_cache), k, torch.randn_like(k)
+
+
 @gpu
 def test_int_cache_seqlens_and_empty_cache():
-    torch.manual_seed(0)
-    q = torch.randn(2, 1, 4, 64, device=DEVICE, dtype=torch.float16)
-    k_cache = torch.randn(2, 32, 4, 64, device=DEVICE, dtype=torch.float16)
-    v_cache = torch.randn_like(k_cache)
-    k, v = torch.randn(2, 1, 4, 64, device=DEVICE, dtype=torch.float16), None
-    v = torch.randn_like(k)
+    q, k_cache, v_cache, k, v = decode_inputs(2, 32, 4, 4, 64, torch.float16)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=0)
     # One key each: the output is its value.
     torch.testing.assert_close(out, v, rtol=0, atol=1e-3)
@@ -247,12 +251,7 @@ def test_int_cache_seqlens_and_empty_cache():
 @gpu
 def test_under_cuda_graph_and_compile():
     """Decoding's way of calling it: captured once, replayed with new lengths; and compiled."""
-    torch.manual_seed(0)
-    q = torch.randn(4, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16)
-    k_cache = torch.randn(4, 256, 2, 128, device=DEVICE, dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    k, v = torch.randn(4, 1, 2, 128, device=DEVICE, dtype=torch.bfloat16), None
-    v = torch.randn_like(k)
+    q, k_cache, v_cache, k, v = decode_inputs(4, 256, 8, 2, 128, torch.bfloat16)
     seqlens = torch.tensor([3, 100, 0, 200], device=DEVICE, dtype=torch.int32)
     expected = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v,
                                        cache_seqlens=seqlens.clone(), causal=True)
