@@ -108,8 +108,7 @@ def use_host_compiler():
         return host_compiler.throw_probe(cxx, include_paths(), library_paths()[0], sys.executable)
 
     try:
-        choice = host_compiler.choose(torch.__config__.show(), dict(os.environ), probe=probe,
-                                      runtime=host_compiler.loaded_runtime(sys.executable))
+        choice = host_compiler.choose(torch.__config__.show(), dict(os.environ), probe=probe)
     except host_compiler.HostCompilerError as err:
         sys.exit(f"flash_attn: {err}")
     os.environ["CXX"], os.environ["CC"] = choice.cxx, choice.cc

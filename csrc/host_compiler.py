@@ -1,14 +1,13 @@
 """Which host C++ compiler builds the extensions: one PyTorch's C++ errors can cross.
 
-An extension built with the wrong toolchain can die with SIGSEGV whenever C++ throws, instead of
-the error reaching Python as a RuntimeError (seen on the GPU machine: its CXX is a GCC 13.3 of
-PyTorch's own major version, but a wrapper linking its own runtime files, and every TORCH_CHECK
-failure crashed; the system g++ 13 worked). The exception is thrown in libc10 and caught in the
-extension, so both must agree on the C++ runtime. A compiler qualifies when it is a GCC of the
-major version PyTorch was built with and passes the exception probe: a small shared library built
-with it like an extension catches a TORCH_CHECK error thrown by libc10, in a fresh interpreter.
-setup.py calls choose() and exports the choice as CXX and CC (CC is also nvcc's host compiler
-through torch's -ccbin).
+A TORCH_CHECK error is thrown in libc10 and caught in the extension, so both must use the one
+shared C++ runtime (libstdc++.so.6) PyTorch runs on. The GPU machine's CXX (/opt/gcc/bin/g++, a
+GCC 13.3 wrapper) finds no libstdc++.so, links a private static copy into every extension, and
+each TORCH_CHECK failure there died with SIGSEGV; the system g++ 13 works. A compiler qualifies
+when it is a GCC of the major version PyTorch was built with and passes the exception probe: a
+small library built with it uses the shared runtime's __cxa_throw and turns a TORCH_CHECK error
+into RuntimeError, in a fresh interpreter. setup.py calls choose() and exports the choice as CXX
+and CC (CC is also nvcc's host compiler through torch's -ccbin).
 """
 
 import os
@@ -108,9 +107,35 @@ static void fail() { TORCH_CHECK(false, "flash_attn host compiler probe"); }
 PYBIND11_MODULE(flash_attn_compiler_probe, m) { m.def("fail", &fail); }
 """
 
+# Run in a fresh interpreter beside the probe library. Exit 4: the library carries its own copy of
+# the C++ runtime's exception machinery. dlsym on the library's handle finds its own definition
+# before libstdc++'s, so a differing address means a private copy (a compiler that finds no shared
+# libstdc++.so links the static one in). Such an extension can die with SIGSEGV on the first C++
+# error (the GPU machine's CXX), or survive it (a plain -static-libstdc++ build here), so the
+# address is checked, not just the outcome of one throw.
+PROBE_RUN = r"""
+import ctypes, sys, torch
+sys.path.insert(0, {folder!r})
+import flash_attn_compiler_probe as probe
+try:
+    shared = ctypes.CDLL("libstdc++.so.6")
+except OSError:
+    shared = None  # not a libstdc++ process: nothing to compare
+if shared is not None:
+    own = ctypes.CDLL(probe.__file__)
+    address = lambda library, name: ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+    if any(address(own, name) != address(shared, name) for name in ("__cxa_throw", "__gxx_personality_v0")):
+        sys.exit(4)
+try:
+    probe.fail()
+except RuntimeError:
+    sys.exit(0)
+sys.exit(3)
+"""
+
 
 def throw_probe(cxx, torch_include_dirs, torch_library_dir, python):
-    """(True, "") when an extension built by cxx (compiled and linked as torch builds one) turns a
+    """(True, "") when an extension built by cxx uses PyTorch's shared C++ runtime and turns a
     TORCH_CHECK failure into a Python RuntimeError; else (False, what went wrong)."""
     import sysconfig
     import tempfile
@@ -135,56 +160,23 @@ def throw_probe(cxx, torch_include_dirs, torch_library_dir, python):
                 break
         if built.returncode != 0:
             return False, f"could not build the probe: {built.stderr.strip().splitlines()[-1:]}"
-        code = ("import sys, torch\n"
-                f"sys.path.insert(0, {tmp!r})\n"
-                "import flash_attn_compiler_probe as probe\n"
-                "try:\n    probe.fail()\nexcept RuntimeError:\n    sys.exit(0)\nsys.exit(3)\n")
-        ran = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+        ran = subprocess.run([python, "-c", PROBE_RUN.format(folder=tmp)], capture_output=True,
+                             text=True, timeout=300)
     if ran.returncode == 0:
         return True, ""
     if ran.returncode < 0:
         return False, f"a C++ error thrown through PyTorch killed the process (signal {-ran.returncode})"
+    if ran.returncode == 4:
+        return False, ("it links a private copy of the C++ runtime into the extension instead of the "
+                       "shared libstdc++ PyTorch uses (it finds no libstdc++.so), so PyTorch's C++ "
+                       "errors cannot be caught there")
     return False, f"the probe did not turn PyTorch's C++ error into RuntimeError (exit {ran.returncode})"
 
 
-RUNTIME_LIBRARIES = {"libstdc++": "libstdc++.so", "libgcc_s": "libgcc_s.so.1"}
-
-
-def linked_runtime(cxx):
-    """{library: real path} of the C++ runtime libraries a library built by cxx links."""
-    paths = {}
-    for name, query in RUNTIME_LIBRARIES.items():
-        try:
-            out = subprocess.run([cxx, f"-print-file-name={query}"], capture_output=True,
-                                 text=True, timeout=60).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            out = ""
-        paths[name] = os.path.realpath(out) if os.path.isabs(out) else None
-    return paths
-
-
-def loaded_runtime(python):
-    """{library: real path} of the C++ runtime libraries a Python process runs on once torch is
-    imported (Linux: from /proc/self/maps); empty where that cannot be read."""
-    code = ("import os, torch\n"
-            "for line in open('/proc/self/maps'):\n"
-            "    path = line.split()[-1]\n"
-            f"    for name in {list(RUNTIME_LIBRARIES)!r}:\n"
-            "        if os.path.basename(path).startswith(name + '.so'):\n"
-            "            print(name, os.path.realpath(path))\n")
-    try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    return dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
-
-
-def choose(torch_config, env, probe=None, runtime=None, linked=linked_runtime):
+def choose(torch_config, env, probe=None):
     """The host compiler for the build, or HostCompilerError saying why there is none. probe(cxx)
-    -> (ok, why not) is run on each GCC of the right major version (throw_probe in setup.py).
-    runtime: loaded_runtime()'s answer; compilers that link those very libraries are tried first
-    (the GPU machine's CXX is a GCC 13.3 wrapper that links its own copies, and its extensions
-    crashed on every C++ error though both probes passed)."""
+    -> (ok, why not) is run on each GCC of the right major version, CXX first (throw_probe in
+    setup.py)."""
     wanted = torch_gcc_major(torch_config)
     given = env.get("CXX")
     given_path = shutil.which(given, path=env.get("PATH")) if given else None
@@ -196,15 +188,6 @@ def choose(torch_config, env, probe=None, runtime=None, linked=linked_runtime):
                       f"host compiler {cxx} ({_describe(identify(cxx))}), unchecked: {why}")
     rejected = {}  # path -> why
     candidates = list(_candidates(env, wanted))
-    foreign = {}  # path -> the runtime library it links that PyTorch's process does not load
-    if runtime:
-        for path in candidates:
-            mine = linked(path)
-            differs = [f"{mine[n]} (PyTorch runs on {runtime[n]})" for n in runtime
-                       if mine.get(n) and mine[n] != runtime[n]]
-            if differs:
-                foreign[path] = differs[0]
-        candidates.sort(key=lambda p: p in foreign)  # stable: CXX first among equals
     for path in candidates:
         found = identify(path)
         if found is None or found.family != "gcc" or found.major != wanted:
@@ -216,12 +199,8 @@ def choose(torch_config, env, probe=None, runtime=None, linked=linked_runtime):
             continue
         note = ""
         if given and (given_path is None or os.path.realpath(given_path) != os.path.realpath(path)):
-            reason = (rejected.get(given_path) or
-                      (f"it links {foreign[given_path]}" if given_path in foreign else None) or
-                      _describe(identify(given_path or given)))
+            reason = rejected.get(given_path) or _describe(identify(given_path or given))
             note = f"; CXX={given} was not used ({reason})"
-        if path in foreign:
-            note += f"; it links {foreign[path]}"
         checked = " that passed the exception probe" if probe is not None else ""
         return Choice(path, _c_sibling(path),
                       f"host compiler {path} (GCC {found.version}), of the GCC major version "

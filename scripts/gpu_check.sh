@@ -28,11 +28,10 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 
 cd "$REPO"
 export PYTHONUNBUFFERED=1
-# Until the build's own choice is shown to pass over the H200 image's CXX (/opt/gcc/bin/g++, whose
-# extensions crash on every C++ error: README, "known gap"), this script builds with the system
-# GCC. GPU_CHECK_CXX / GPU_CHECK_CC override; GPU_CHECK_CXX=build leaves the choice to the build.
-if [ "${GPU_CHECK_CXX:-}" != build ] && { [ -n "${GPU_CHECK_CXX:-}" ] || [ -x /usr/bin/g++ ]; }; then
-  export CXX=${GPU_CHECK_CXX:-/usr/bin/g++} CC=${GPU_CHECK_CC:-/usr/bin/gcc}
+# The build chooses the host compiler itself (csrc/host_compiler.py); GPU_CHECK_CXX / GPU_CHECK_CC
+# override it for an experiment.
+if [ -n "${GPU_CHECK_CXX:-}" ]; then
+  export CXX=$GPU_CHECK_CXX CC=${GPU_CHECK_CC:-$(dirname "$GPU_CHECK_CXX")/gcc}
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 

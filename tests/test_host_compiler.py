@@ -167,34 +167,19 @@ def test_throw_probe_catches_a_crashing_library(tmp_path):
     assert not ok and "could not build the probe" in why
 
 
-def test_a_compiler_linking_pytorchs_runtime_is_tried_first(compilers):
-    """The GPU machine's case as far as it is understood: CXX is a GCC of PyTorch's major version
-    passing both probes, but it links its own libstdc++; the system g++ links the one PyTorch's
-    process has loaded, and is chosen."""
-    made, bin_dir = compilers
-    other_93 = fake_compiler(Path(made["other"]).parent, "g++-93", "gcc", "93.3.0")
-    runtime = {"libstdc++": "/usr/lib/libstdc++.so.6.0.33", "libgcc_s": "/usr/lib/libgcc_s.so.1"}
-    own = {"libstdc++": "/opt/gcc/lib/libstdc++.so.6.0.33", "libgcc_s": "/usr/lib/libgcc_s.so.1"}
-
-    def linked(cxx):
-        return own if cxx == other_93 else runtime
-
-    env = {"PATH": bin_dir, "CXX": other_93}
-    probed = []
-    choice = host_compiler.choose(TORCH_CONFIG, env, probe=lambda c: (probed.append(c) or True, ""),
-                                  runtime=runtime, linked=linked)
-    assert choice.cxx == made["g++-93"] and probed == [made["g++-93"]]
-    assert "CXX=" in choice.message and "links /opt/gcc/lib/libstdc++.so.6.0.33" in choice.message
-    # With nothing else of the right version, CXX is still used, and the message says what it links.
-    choice = host_compiler.choose(TORCH_CONFIG, {"PATH": str(Path(other_93).parent), "CXX": other_93},
-                                  runtime=runtime, linked=linked)
-    assert choice.cxx == other_93 and "links /opt/gcc/lib/libstdc++" in choice.message
-
-
-def test_runtime_of_this_machine_is_read():
+def test_throw_probe_rejects_a_private_cpp_runtime(tmp_path):
+    """The GPU machine's case: its CXX finds no libstdc++.so and links a static copy into each
+    extension. -static-libstdc++ does the same with the g++ here; the probe must reject it even
+    where one throw happens to survive it."""
+    import shutil
     import sys
 
-    pytest.importorskip("torch")
-    loaded = host_compiler.loaded_runtime(sys.executable)
-    if loaded:  # Linux
-        assert "libstdc++" in loaded and Path(loaded["libstdc++"]).is_file()
+    _, includes, libdir = _torch_paths()
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ here")
+    fake = tmp_path / "static-runtime-g++"
+    fake.write_text(f'#!/bin/sh\nexec {cxx} -static-libstdc++ "$@"\n')
+    fake.chmod(0o755)
+    ok, why = host_compiler.throw_probe(str(fake), includes, libdir, sys.executable)
+    assert not ok and "private copy of the C++ runtime" in why
