@@ -34,6 +34,44 @@ def time_ms(fn, warmup=25, rep=100):
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def graph_ms(fn, calls=10, reps=20, flush_bytes=256 << 20):
+    """Median milliseconds of fn() on the GPU alone: calls of fn, each after an L2 flush, are
+    captured in one CUDA graph and replayed, so the CPU's launch cost is not in the figure (at
+    small sizes Python and Triton's launch take longer than the kernel). The flushes are timed in
+    a graph of their own and subtracted. fn may run a backward (autograd.grad) as well."""
+    cache = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (allocator, autotuning) off the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+    def captured(with_fn):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                cache.zero_()
+                if with_fn:
+                    fn()
+        return graph
+
+    def replay_ms(graph):
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    with_fn, flush_only = captured(True), captured(False)
+    return max(replay_ms(with_fn) - replay_ms(flush_only), 1e-6) / calls
+
+
 def wall_ms(fn, reps=3):
     """Mean wall-clock milliseconds of fn() over reps calls after one warm-up call: the timer of
     the CPU --smoke runs, which check a script, not its numbers."""

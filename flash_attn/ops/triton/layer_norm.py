@@ -9,6 +9,7 @@ Dropout draws come from `tl.rand` with one seed per row taken from PyTorch's gen
 backward regenerates the mask instead of reading it. Runs on CPU tensors under TRITON_INTERPRET=1.
 """
 
+import functools
 import math
 
 import torch
@@ -403,10 +404,15 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
             dropout_mask, dropout_mask1)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _num_programs(x, M):
     if x.is_cuda:
         # Several row bands per SM hide the loop's latency; each band costs one partial-sum row.
-        return max(min(M, torch.cuda.get_device_properties(x.device).multi_processor_count * 8), 1)
+        return max(min(M, _sm_count(x.device.index) * 8), 1)
     return max(min(M, 4), 1)
 
 
@@ -440,10 +446,16 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     block_n = _block_n(x, N)
     programs = _num_programs(x, M)
     rows_per_program = math.ceil(M / programs)
-    dw_part = torch.empty(programs, N, dtype=torch.float32, device=x.device)
-    db_part = torch.empty_like(dw_part) if bias is not None else None
-    dw1_part = torch.empty_like(dw_part) if weight1 is not None else None
-    db1_part = torch.empty_like(dw_part) if bias1 is not None else None
+    # The per-program partial sums of every parameter gradient in one buffer, so that one
+    # reduction (and one cast) finishes them all: at small sizes each extra launch costs more
+    # CPU time than the kernel's GPU time.
+    params = [t for t in (weight, bias, weight1, bias1) if t is not None]
+    partials = torch.empty(len(params), programs, N, dtype=torch.float32, device=x.device)
+    parts = iter(partials)
+    dw_part = next(parts)
+    db_part = next(parts) if bias is not None else None
+    dw1_part = next(parts) if weight1 is not None else None
+    db1_part = next(parts) if bias1 is not None else None
     if M > 0:
         with device:
             _layer_norm_bwd_kernel[(programs,)](
@@ -465,14 +477,15 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
                 num_warps=_num_warps(block_n),
             )
     else:
-        dw_part.zero_()
-        for part in (db_part, dw1_part, db1_part):
-            if part is not None:
-                part.zero_()
-    dw = dw_part.sum(0).to(weight.dtype)
-    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
-    dw1 = dw1_part.sum(0).to(weight1.dtype) if weight1 is not None else None
-    db1 = db1_part.sum(0).to(bias1.dtype) if bias1 is not None else None
+        partials.zero_()
+    sums = partials.sum(1)
+    if all(t.dtype == weight.dtype for t in params):
+        sums = sums.to(weight.dtype)
+    grads = iter(sums.unbind(0))
+    dw = next(grads).to(weight.dtype)
+    db = next(grads).to(bias.dtype) if bias is not None else None
+    dw1 = next(grads).to(weight1.dtype) if weight1 is not None else None
+    db1 = next(grads).to(bias1.dtype) if bias1 is not None else None
     if has_residual and dresidual_in is None:
         dresidual_in = dx
     if has_x1 and dx1 is None:
