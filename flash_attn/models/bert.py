@@ -20,7 +20,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from flash_attn.models.gpt import _init_weights as _gpt_init_weights
 from flash_attn.modules.block import Block, fused_add_norm_fn
 from flash_attn.modules.embedding import BertEmbeddings
 from flash_attn.modules.mha import MHA, dense_classes, warn_fallback
@@ -56,27 +55,48 @@ def _activation(config):
     return F.gelu if config.hidden_act == "gelu" else partial(F.gelu, approximate="tanh")
 
 
-def _create_block(config, layer_idx):
-    # With last_layer_subset the last layer only computes a subset of tokens (the masked ones
-    # and CLS): a cross-attention from those to all tokens.
-    cross_attn = (getattr(config, "last_layer_subset", False)
-                  and layer_idx == config.num_hidden_layers - 1)
-    mixer_cls = partial(MHA, num_heads=config.num_attention_heads, cross_attn=cross_attn,
-                        dropout=config.attention_probs_dropout_prob, causal=False,
-                        fused_bias_fc=getattr(config, "fused_bias_fc", False),
-                        use_flash_attn=getattr(config, "use_flash_attn", False),
-                        layer_idx=layer_idx)
-    mlp_cls = partial(Mlp, hidden_features=config.intermediate_size,
-                      activation=_activation(config))
+def create_mixer_cls(config, cross_attn=False, return_residual=False):
+    """The encoder's attention: bidirectional MHA; cross_attn for a last layer that computes
+    only a subset of the tokens (queries) against all of them (keys)."""
+    rotary = {}
+    if getattr(config, "position_embedding_type", "absolute") == "rotary":
+        rotary = dict(rotary_emb_dim=getattr(config, "rotary_emb_dim", config.hidden_size),
+                      rotary_emb_base=getattr(config, "rotary_emb_base", 10000.0),
+                      rotary_emb_scale_base=getattr(config, "rotary_emb_scale_base", None),
+                      rotary_emb_interleaved=getattr(config, "rotary_emb_interleaved", False))
+    return partial(MHA, num_heads=config.num_attention_heads, cross_attn=cross_attn,
+                   dropout=config.attention_probs_dropout_prob, causal=False,
+                   fused_bias_fc=getattr(config, "fused_bias_fc", False),
+                   use_flash_attn=getattr(config, "use_flash_attn", False),
+                   return_residual=return_residual, **rotary)
+
+
+def create_mlp_cls(config, layer_idx=None, return_residual=False):
+    """The encoder's MLP: FusedMLP with fused_mlp (tanh gelu only; otherwise, or when the
+    extension is missing, a warning and the plain Mlp)."""
     if getattr(config, "fused_mlp", False):
         if config.hidden_act not in GELU_TANH:
             warn_fallback("fused_mlp", "FusedMLP only has the tanh gelu")
         elif fused_mlp_cls() is None:
             warn_fallback("fused_mlp", "flash_attn.ops.fused_dense.FusedMLP is unavailable")
         else:
-            mlp_cls = partial(fused_mlp_cls(), hidden_features=config.intermediate_size,
-                              activation="gelu_approx")
-    return Block(config.hidden_size, mixer_cls, mlp_cls,
+            checkpoint_lvl = getattr(config, "mlp_checkpoint_lvl", 0)
+            if isinstance(checkpoint_lvl, (list, tuple)):  # one level per layer
+                checkpoint_lvl = checkpoint_lvl[layer_idx]
+            return partial(fused_mlp_cls(), hidden_features=config.intermediate_size,
+                           activation="gelu_approx", checkpoint_lvl=checkpoint_lvl,
+                           return_residual=return_residual)
+    return partial(Mlp, hidden_features=config.intermediate_size, activation=_activation(config),
+                   return_residual=return_residual)
+
+
+def create_block(config, layer_idx=None):
+    # With last_layer_subset the last layer only computes a subset of tokens (the masked ones
+    # and CLS): a cross-attention from those to all tokens.
+    cross_attn = (getattr(config, "last_layer_subset", False)
+                  and layer_idx == config.num_hidden_layers - 1)
+    return Block(config.hidden_size, create_mixer_cls(config, cross_attn),
+                 create_mlp_cls(config, layer_idx),
                  norm_cls=partial(nn.LayerNorm, eps=config.layer_norm_eps), prenorm=False,
                  resid_dropout1=config.hidden_dropout_prob,
                  resid_dropout2=config.hidden_dropout_prob,
@@ -84,8 +104,12 @@ def _create_block(config, layer_idx):
 
 
 def _init_weights(module, initializer_range=0.02):
-    _gpt_init_weights(module, n_layer=1, initializer_range=initializer_range,
-                      rescale_prenorm_residual=False)
+    """N(0, initializer_range) for linear and embedding weights (the padding row zero), zero
+    biases (HF BERT's init)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=initializer_range)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
     if isinstance(module, nn.Embedding) and module.padding_idx is not None:
         nn.init.zeros_(module.weight[module.padding_idx])
 
@@ -94,7 +118,7 @@ class BertEncoder(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.unpad = getattr(config, "unpad", getattr(config, "use_flash_attn", False))
-        self.layers = nn.ModuleList([_create_block(config, i)
+        self.layers = nn.ModuleList([create_block(config, i)
                                      for i in range(config.num_hidden_layers)])
 
     def forward(self, hidden_states, key_padding_mask=None, subset_mask=None):

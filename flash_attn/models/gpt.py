@@ -8,7 +8,15 @@ use_alibi, window_size, n_head_kv (GQA), parallel_block (GPT-J style) / parallel
 qkv_proj_bias / out_proj_bias / mlp_fc1_bias / mlp_fc2_bias [True], lm_head_bias [False],
 mlp_multiple_of [128] (gated MLPs), pad_vocab_size_multiple [1], tie_word_embeddings [True],
 word_embed_proj_dim, sequence_parallel [True] (with a process_group), mlp_checkpoint_lvl [0].
+muP (BTLM): mup_width_scale [1.0] (init std x sqrt, lr_multiplier in each linear weight's
+_optim), mup_embeddings_multiplier, mup_output_multiplier (logits x it x mup_width_scale),
+mup_scale_qk_dot_by_d (softmax scale 1/d), mup_attn_multiplier. norm_head (Baichuan 2): the
+lm_head rows are L2-normalised before the product.
 The flags only choose which module class is built; the forward pass reads the same either way.
+
+Checkpoints: remap_state_dict_hf_gpt2 / remap_state_dict_megatron here, the other families in
+their own modules, found through flash_attn.models.registry; shared helpers and the
+tensor-parallel shard / combine in flash_attn.models.checkpoint (also importable from here).
 """
 
 import math
@@ -16,11 +24,26 @@ import re
 from collections import OrderedDict, namedtuple
 from functools import partial
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from flash_attn.models.checkpoint import (  # noqa: F401  (also importable from here)
+    attention_layout,
+    combine_state_dicts_tp,
+    pad_vocab,
+    padded_vocab_size,
+    shard_state_dict_tp,
+    split_layer_key,
+    stack_qkv,
+    tie_lm_head,
+)
+from flash_attn.models.registry import (  # noqa: F401  (remap_state_dict_any: also from here)
+    ModelFamily,
+    key_pattern,
+    register_family,
+    remap_state_dict_any,
+)
 from flash_attn.modules.block import Block, ParallelBlock, _is_rms_norm, _norm_eps, fused_add_norm_fn
 from flash_attn.modules.embedding import GPT2Embeddings, ParallelGPT2Embeddings
 from flash_attn.modules.mha import MHA, ParallelMHA, warn_fallback
@@ -30,20 +53,11 @@ from flash_attn.utils.generation import GenerationMixin
 CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])
 
 GELU_TANH = ("gelu_new", "gelu_fast", "gelu_approx", "gelu_pytorch_tanh")
-GATED = {"glu": F.sigmoid, "swiglu": F.silu, "geglu": F.gelu}
+GATED = {"glu": F.sigmoid, "swiglu": F.silu, "geglu": F.gelu}  # checkpoint.GATED_ACTIVATIONS
 
 
 def _sqrelu(x):
     return F.relu(x).square()
-
-
-def padded_vocab_size(config):
-    multiple = getattr(config, "pad_vocab_size_multiple", 1)
-    return math.ceil(config.vocab_size / multiple) * multiple
-
-
-def _head_dim(config):
-    return getattr(config, "head_dim", None) or config.n_embd // config.n_head
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,11 +66,15 @@ def _head_dim(config):
 
 
 def create_mixer_cls(config, layer_idx=None, process_group=None, device=None, dtype=None):
-    head_dim = _head_dim(config)
+    head_dim, _, _ = attention_layout(config)
     if head_dim * config.n_head != config.n_embd:
         raise ValueError(f"head_dim ({head_dim}) x n_head ({config.n_head}) must equal n_embd "
                          f"({config.n_embd})")
-    softmax_scale = head_dim ** (-0.5) if getattr(config, "scale_attn_weights", True) else 1.0
+    softmax_scale = 1.0
+    if getattr(config, "scale_attn_weights", True):  # by 1/sqrt(d), or muP's 1/d
+        softmax_scale = head_dim ** (-1.0 if getattr(config, "mup_scale_qk_dot_by_d", False)
+                                     else -0.5)
+    softmax_scale *= getattr(config, "mup_attn_multiplier", 1.0)
     if getattr(config, "scale_attn_by_inverse_layer_idx", False):
         softmax_scale /= float(layer_idx + 1)
     kwargs = dict(
@@ -144,11 +162,18 @@ def create_block(config, layer_idx=None, process_group=None, device=None, dtype=
     return block
 
 
-def _init_weights(module, n_layer, initializer_range=0.02, rescale_prenorm_residual=True):
-    """N(0, initializer_range) for linear and embedding weights, zero biases; the projections
-    that write into the residual stream (out_proj, fc2) get std / sqrt(2 n_layer) (GPT-2)."""
+def _init_weights(module, n_layer, initializer_range=0.02, mup_width_scale=1.0,
+                  rescale_prenorm_residual=True):
+    """N(0, initializer_range) for embedding weights, x sqrt(mup_width_scale) for linear ones,
+    zero biases; the projections that write into the residual stream (out_proj, fc2) get
+    std / sqrt(2 n_layer) (GPT-2). With muP the linear weights carry their learning-rate
+    multiplier in `_optim` (read by optimizers that group parameters by it)."""
+    linear_std = initializer_range * math.sqrt(mup_width_scale)
     if isinstance(module, nn.Linear):
-        nn.init.normal_(module.weight, std=initializer_range)
+        nn.init.normal_(module.weight, std=linear_std)
+        if mup_width_scale != 1.0:
+            module.weight._optim = {**getattr(module.weight, "_optim", {}),
+                                    "lr_multiplier": mup_width_scale}
         if module.bias is not None:
             nn.init.zeros_(module.bias)
     elif isinstance(module, nn.Embedding):
@@ -156,7 +181,7 @@ def _init_weights(module, n_layer, initializer_range=0.02, rescale_prenorm_resid
     if rescale_prenorm_residual:
         for name, p in module.named_parameters():
             if name in ("out_proj.weight", "fc2.weight"):
-                nn.init.normal_(p, mean=0.0, std=initializer_range / math.sqrt(2 * n_layer))
+                nn.init.normal_(p, mean=0.0, std=linear_std / math.sqrt(2 * n_layer))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,12 +201,14 @@ class GPTPreTrainedModel(nn.Module):
     def from_pretrained(cls, model_name, config, *args, strict=True, device=None, dtype=None,
                         world_size=1, rank=0, **kwargs):
         """Build the model and load a local checkpoint (directory or file, HF or ours):
-        remapped by its key names, sharded for tensor parallelism when world_size > 1."""
+        remapped by the family of its config.json's model_type (else by its key names, see
+        models.registry), sharded for tensor parallelism when world_size > 1."""
+        from flash_attn.models.registry import checkpoint_model_type
         from flash_attn.utils.pretrained import state_dict_from_pretrained
 
         model = cls(config, *args, device=device, dtype=dtype, **kwargs)
         state_dict = remap_state_dict_any(state_dict_from_pretrained(model_name, device="cpu"),
-                                          config)
+                                          config, model_type=checkpoint_model_type(model_name))
         if world_size > 1:
             state_dict = shard_state_dict_tp(state_dict, config, world_size, rank)
         result = model.load_state_dict(state_dict, strict=strict)
@@ -201,6 +228,7 @@ class GPTModel(GPTPreTrainedModel):
         self.prenorm = getattr(config, "prenorm", True)
         self.parallel_block = getattr(config, "parallel_block", False)
         self.residual_in_fp32 = getattr(config, "residual_in_fp32", False)
+        self.embeddings_multiplier = getattr(config, "mup_embeddings_multiplier", 1.0)
         if self.parallel_block and not self.prenorm:
             raise ValueError("parallel_block needs prenorm=True")
         vocab_size = padded_vocab_size(config)
@@ -224,7 +252,8 @@ class GPTModel(GPTPreTrainedModel):
                     if self.sequence_parallel:
                         p._sequence_parallel = True
         self.apply(partial(_init_weights, n_layer=config.n_layer,
-                           initializer_range=config.initializer_range))
+                           initializer_range=config.initializer_range,
+                           mup_width_scale=getattr(config, "mup_width_scale", 1.0)))
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
         return {i: layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, **kwargs)
@@ -236,6 +265,8 @@ class GPTModel(GPTPreTrainedModel):
         tp_rows = self.process_group is not None and self.sequence_parallel
         embed_kwargs = {"combine_batch_seqlen_dim": True} if tp_rows else {}
         hidden_states = self.embeddings(input_ids, position_ids=position_ids, **embed_kwargs)
+        if self.embeddings_multiplier != 1.0:
+            hidden_states = hidden_states * self.embeddings_multiplier
         mixer_kwargs = {"seqlen": input_ids.shape[1]} if tp_rows else {}
         if inference_params is not None:
             mixer_kwargs["inference_params"] = inference_params
@@ -289,6 +320,12 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
         self.transformer = GPTModel(config, process_group=process_group, **factory)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
         lm_head_bias = getattr(config, "lm_head_bias", False)
+        self.output_scale = (getattr(config, "mup_output_multiplier", 1.0)
+                             * getattr(config, "mup_width_scale", 1.0))
+        self.norm_head = getattr(config, "norm_head", False)
+        if self.norm_head and process_group is not None:
+            raise NotImplementedError("norm_head with a process_group (tensor parallelism) is "
+                                      "not supported")
         vocab_size = padded_vocab_size(config)
         word_embed_proj_dim = getattr(config, "word_embed_proj_dim", None)
         embed_dim = config.n_embd
@@ -305,7 +342,8 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
                 embed_dim, vocab_size, process_group, bias=lm_head_bias,
                 sequence_parallel=getattr(config, "sequence_parallel", True), **factory)
         self.apply(partial(_init_weights, n_layer=config.n_layer,
-                           initializer_range=config.initializer_range))
+                           initializer_range=config.initializer_range,
+                           mup_width_scale=getattr(config, "mup_width_scale", 1.0)))
         self.tie_weights()
 
     def tie_weights(self):
@@ -335,7 +373,12 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
             hidden_states = hidden_states[:, -num_last_tokens:]
         if self.project_out is not None:
             hidden_states = self.project_out(hidden_states)
-        logits = self.lm_head(hidden_states)
+        if self.output_scale != 1.0:
+            hidden_states = hidden_states * self.output_scale
+        if self.norm_head:
+            logits = F.linear(hidden_states, F.normalize(self.lm_head.weight), self.lm_head.bias)
+        else:
+            logits = self.lm_head(hidden_states)
         if self.process_group is not None:
             if logits.dim() == 2:  # sequence parallel: (b * s, vocab / world) rows
                 logits = rearrange(logits, "(b s) v -> b s v", b=batch)
@@ -351,31 +394,12 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints: HF GPT-2 remap, tensor-parallel shard / combine.
+# Checkpoints: HF GPT-2 and Megatron-LM GPT.
 # ----------------------------------------------------------------------------------------------
 
-
-def pad_vocab(t, vocab_size):
-    """Embedding / lm_head rows (or an lm_head bias) zero-padded to vocab_size entries."""
-    pad = vocab_size - t.shape[0]
-    return F.pad(t, (0, 0, 0, pad) if t.dim() == 2 else (0, pad))
-
-
-def split_layer_key(prefix, key, caller):
-    """(layer index, module, param) of a per-layer checkpoint key prefix<i>.<module>.<param>
-    (prefix a regex); a KeyError naming caller for any other key."""
-    m = re.match(prefix + r"(\d+)\.(.+)\.(weight|bias)$", key)
-    if m is None:
-        raise KeyError(f"{caller}: unexpected key {key!r}")
-    return m.groups()
-
-
-def stack_qkv(out, qkv):
-    """Separate q / k / v projections, qkv {(layer, "q" | "k" | "v", param): tensor}, stacked
-    into out's transformer.layers.<layer>.mixer.Wqkv.<param> as [q; k; v]."""
-    for i, param in sorted({(i, p) for i, _, p in qkv}):
-        out[f"transformer.layers.{i}.mixer.Wqkv.{param}"] = torch.cat(
-            [qkv[(i, name, param)] for name in "qkv"])
+_GPT2_LAYER_NAMES = {"ln_1": "norm1", "ln_2": "norm2", "attn.c_attn": "mixer.Wqkv",
+                     "attn.c_proj": "mixer.out_proj", "mlp.c_fc": "mlp.fc1",
+                     "mlp.c_proj": "mlp.fc2"}
 
 
 def remap_state_dict_hf_gpt2(state_dict, config):
@@ -397,160 +421,58 @@ def remap_state_dict_hf_gpt2(state_dict, config):
             out[key] = pad_vocab(value, padded_vocab_size(config))
         else:
             i, module, param = split_layer_key(r"h\.", key, "remap_state_dict_hf_gpt2")
-            names = {"ln_1": "norm1", "ln_2": "norm2", "attn.c_attn": "mixer.Wqkv",
-                     "attn.c_proj": "mixer.out_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
-            if module not in names:
+            if module not in _GPT2_LAYER_NAMES:
                 raise KeyError(f"remap_state_dict_hf_gpt2: unexpected key {key!r}")
             if module not in ("ln_1", "ln_2") and param == "weight":
                 value = value.t().contiguous()
-            out[f"transformer.layers.{i}.{names[module]}.{param}"] = value
-    if getattr(config, "tie_word_embeddings", True) or "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["transformer.embeddings.word_embeddings.weight"]
-    return out
+            out[f"transformer.layers.{i}.{_GPT2_LAYER_NAMES[module]}.{param}"] = value
+    return tie_lm_head(out, config)
 
 
-def remap_state_dict_any(state_dict, config):
-    """Pick the remap by the checkpoint's key names: ours, or HF GPT-2 / Llama / GPT-NeoX /
-    GPT-J / OPT."""
-    keys = list(state_dict)
-
-    def has(fragment):
-        return any(fragment in k for k in keys)
-
-    if any(k.startswith("transformer.layers.") for k in keys):
-        return state_dict
-    if has(".attn.c_attn."):
-        return remap_state_dict_hf_gpt2(state_dict, config)
-    if has("decoder.layers."):
-        from flash_attn.models.opt import remap_state_dict_hf_opt
-
-        return remap_state_dict_hf_opt(state_dict, config)
-    if has(".self_attn.q_proj."):
-        from flash_attn.models.llama import remap_state_dict_hf_llama
-
-        return remap_state_dict_hf_llama(state_dict, config)
-    if has(".attention.query_key_value."):
-        from flash_attn.models.gpt_neox import remap_state_dict_hf_gpt_neox
-
-        return remap_state_dict_hf_gpt_neox(state_dict, config)
-    if has(".attn.q_proj."):
-        from flash_attn.models.gptj import remap_state_dict_hf_gptj
-
-        return remap_state_dict_hf_gptj(state_dict, config)
-    raise ValueError("unrecognised checkpoint layout (first keys: " + ", ".join(keys[:3]) + ")")
+_MEGATRON_LAYER_NAMES = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2",
+                         "self_attention.dense": "mixer.out_proj", "mlp.dense_h_to_4h": "mlp.fc1",
+                         "mlp.dense_4h_to_h": "mlp.fc2"}
 
 
-def _layout(config):
-    head_dim = _head_dim(config)
-    n_head_kv = getattr(config, "n_head_kv", None) or config.n_head
-    return head_dim, config.n_head, n_head_kv
-
-
-def _rank_range(total, world_size, rank, multiple_of=1):
-    """[start, stop) of this rank's share, split as utils.distributed.get_dim_for_local_rank does."""
-    from flash_attn.utils.distributed import get_dim_for_local_rank
-
-    sizes = [get_dim_for_local_rank(total, world_size, r, multiple_of) for r in range(world_size)]
-    if sum(sizes) != total:
-        raise ValueError(f"cannot split {total} over {world_size} ranks in multiples of {multiple_of}")
-    start = sum(sizes[:rank])
-    return start, start + sizes[rank]
-
-
-def _qkv_parts(config):
-    head_dim, n_head, n_head_kv = _layout(config)
-    return [n_head * head_dim, n_head_kv * head_dim, n_head_kv * head_dim], head_dim, n_head, n_head_kv
-
-
-def _gated(config):
-    return config.activation_function in GATED
-
-
-def _fc1_parts(config):
-    return 2 if _gated(config) else 1
-
-
-def shard_state_dict_tp(state_dict, config, world_size, rank):
-    """The full state dict -> rank's shard for GPTLMHeadModel(config, process_group) with
-    world_size ranks. Row-parallel biases (out_proj, fc2) live on rank 0 only."""
-    parts, head_dim, n_head, n_head_kv = _qkv_parts(config)
-    if padded_vocab_size(config) % world_size != 0:
-        raise ValueError("the padded vocabulary must be divisible by world_size "
-                         "(set pad_vocab_size_multiple)")
-    vocab_range = _rank_range(padded_vocab_size(config), world_size, rank)
-    head_range = _rank_range(n_head, world_size, rank)
-    kv_range = _rank_range(n_head_kv, world_size, rank)
-    embed_range = _rank_range(config.n_embd, world_size, rank)
-
-    def split_qkv(x):
-        q, k, v = x.split(parts, dim=0)
-        return torch.cat([q[head_range[0] * head_dim: head_range[1] * head_dim],
-                          k[kv_range[0] * head_dim: kv_range[1] * head_dim],
-                          v[kv_range[0] * head_dim: kv_range[1] * head_dim]], dim=0)
-
-    def split_fc1(x):  # gated MLPs: [value; gate], each split the same way
-        chunks = x.chunk(_fc1_parts(config), dim=0)
-        start, stop = _rank_range(chunks[0].shape[0], world_size, rank, _mlp_multiple(config))
-        return torch.cat([c[start:stop] for c in chunks], dim=0)
-
+def remap_state_dict_megatron(state_dict, config):
+    """Megatron-LM GPT state dict (language_model.embedding / .encoder) -> GPTLMHeadModel's,
+    with a tied head. Megatron's query_key_value rows are per head [q, k, v] (heads, 3,
+    head_dim); ours [all q; all k; all v]. Megatron pads its own vocabulary: the rows are padded
+    further to a multiple of pad_vocab_size_multiple, so config.vocab_size should be that of the
+    checkpoint."""
+    head_dim, n_head, _ = attention_layout(config)
     out = OrderedDict()
     for key, value in state_dict.items():
-        if key in ("transformer.embeddings.word_embeddings.weight", "lm_head.weight", "lm_head.bias"):
-            value = value[vocab_range[0]: vocab_range[1]]
-        elif key == "transformer.embeddings.position_embeddings.weight":
-            value = value[:, embed_range[0]: embed_range[1]]
-        elif key.endswith("mixer.Wqkv.weight") or key.endswith("mixer.Wqkv.bias"):
-            value = split_qkv(value)
-        elif key.endswith("mixer.out_proj.weight"):
-            value = value[:, head_range[0] * head_dim: head_range[1] * head_dim]
-        elif key.endswith("mlp.fc1.weight") or key.endswith("mlp.fc1.bias"):
-            value = split_fc1(value)
-        elif key.endswith("mlp.fc2.weight"):
-            start, stop = _rank_range(value.shape[1], world_size, rank, _mlp_multiple(config))
-            value = value[:, start:stop]
-        elif key.endswith("mixer.out_proj.bias") or key.endswith("mlp.fc2.bias"):
-            if rank != 0:
-                continue
-        out[key] = value.contiguous()
+        key = re.sub(r"^language_model\.(encoder\.)?", "", key)
+        if key.endswith("rotary_emb.inv_freq"):  # recomputed from the config
+            continue
+        if key == "embedding.word_embeddings.weight":
+            multiple = getattr(config, "pad_vocab_size_multiple", 1)
+            rows = math.ceil(value.shape[0] / multiple) * multiple
+            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(value, rows)
+        elif key == "embedding.position_embeddings.weight":
+            out["transformer.embeddings.position_embeddings.weight"] = value
+        elif key.startswith("final_layernorm."):
+            out["transformer.ln_f." + key.split(".", 1)[1]] = value
+        else:
+            i, module, param = split_layer_key(r"layers\.", key, "remap_state_dict_megatron")
+            if module == "self_attention.query_key_value":
+                value = rearrange(value, "(h three d) ... -> (three h d) ...", three=3,
+                                  h=n_head, d=head_dim)
+                out[f"transformer.layers.{i}.mixer.Wqkv.{param}"] = value
+            elif module in _MEGATRON_LAYER_NAMES:
+                out[f"transformer.layers.{i}.{_MEGATRON_LAYER_NAMES[module]}.{param}"] = value
+            else:
+                raise KeyError(f"remap_state_dict_megatron: unexpected key {key!r}")
+    out["lm_head.weight"] = out["transformer.embeddings.word_embeddings.weight"]
     return out
 
 
-def _mlp_multiple(config):
-    return getattr(config, "mlp_multiple_of", 128) if _gated(config) else 1
-
-
-def combine_state_dicts_tp(state_dicts, config):
-    """The inverse of shard_state_dict_tp: the ranks' state dicts (in rank order) -> one."""
-    world_size = len(state_dicts)
-    parts, head_dim, n_head, n_head_kv = _qkv_parts(config)
-    local_heads = [_rank_range(n_head, world_size, r) for r in range(world_size)]
-    local_kv = [_rank_range(n_head_kv, world_size, r) for r in range(world_size)]
-
-    def join_qkv(shards):
-        qs, ks, vs = [], [], []
-        for shard, (h0, h1), (k0, k1) in zip(shards, local_heads, local_kv):
-            q, k, v = shard.split([(h1 - h0) * head_dim, (k1 - k0) * head_dim,
-                                   (k1 - k0) * head_dim], dim=0)
-            qs.append(q), ks.append(k), vs.append(v)
-        return torch.cat(qs + ks + vs, dim=0)
-
-    def join_fc1(shards):
-        n = _fc1_parts(config)
-        chunks = [s.chunk(n, dim=0) for s in shards]
-        return torch.cat([c[i] for i in range(n) for c in chunks], dim=0)
-
-    out = OrderedDict()
-    for key, value in state_dicts[0].items():
-        shards = [sd[key] for sd in state_dicts if key in sd]  # row-parallel biases: rank 0
-        if key in ("transformer.embeddings.word_embeddings.weight", "lm_head.weight", "lm_head.bias"):
-            value = torch.cat(shards, dim=0)
-        elif key == "transformer.embeddings.position_embeddings.weight":
-            value = torch.cat(shards, dim=1)
-        elif key.endswith("mixer.Wqkv.weight") or key.endswith("mixer.Wqkv.bias"):
-            value = join_qkv(shards)
-        elif key.endswith("mixer.out_proj.weight") or key.endswith("mlp.fc2.weight"):
-            value = torch.cat(shards, dim=1)
-        elif key.endswith("mlp.fc1.weight") or key.endswith("mlp.fc1.bias"):
-            value = join_fc1(shards)
-        out[key] = value
-    return out
+register_family(ModelFamily(
+    name="gpt2", module=__name__, model_types=("gpt2",),
+    config_to_gpt2_config=lambda gpt2_config: gpt2_config,  # already ours
+    remap_state_dict=remap_state_dict_hf_gpt2,
+    matches=key_pattern(r"(^|\.)h\.\d+\.attn\.c_attn\.")))
+register_family(ModelFamily(
+    name="megatron", module=__name__, model_types=(),
+    remap_state_dict=remap_state_dict_megatron, matches=key_pattern(r"^language_model\.")))

@@ -7,7 +7,8 @@ from collections import OrderedDict
 from einops import rearrange
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import pad_vocab, padded_vocab_size, split_layer_key
+from flash_attn.models.checkpoint import pad_vocab, padded_vocab_size, split_layer_key
+from flash_attn.models.registry import ModelFamily, key_pattern, register_family
 
 
 def gpt_neox_config_to_gpt2_config(neox_config):
@@ -66,3 +67,10 @@ def remap_state_dict_hf_gpt_neox(state_dict, config):
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["transformer.embeddings.word_embeddings.weight"]
     return out
+
+
+register_family(ModelFamily(
+    name="gpt_neox", module=__name__, model_types=("gpt_neox",),
+    config_to_gpt2_config=gpt_neox_config_to_gpt2_config,
+    remap_state_dict=remap_state_dict_hf_gpt_neox,
+    matches=key_pattern(r"\.attention\.query_key_value\.")))

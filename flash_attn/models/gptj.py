@@ -7,7 +7,8 @@ from collections import OrderedDict
 
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import pad_vocab, padded_vocab_size, split_layer_key, stack_qkv
+from flash_attn.models.checkpoint import pad_vocab, padded_vocab_size, split_layer_key, stack_qkv
+from flash_attn.models.registry import ModelFamily, key_pattern, register_family
 
 
 def gptj_config_to_gpt2_config(gptj_config):
@@ -51,3 +52,9 @@ def remap_state_dict_hf_gptj(state_dict, config):
                 out[f"transformer.layers.{i}.{names[module]}.{param}"] = value
     stack_qkv(out, qkv)
     return out
+
+
+register_family(ModelFamily(
+    name="gptj", module=__name__, model_types=("gptj",),
+    config_to_gpt2_config=gptj_config_to_gpt2_config, remap_state_dict=remap_state_dict_hf_gptj,
+    matches=key_pattern(r"\.attn\.q_proj\.")))

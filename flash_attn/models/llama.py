@@ -1,17 +1,24 @@
 """Llama as a GPT configuration: RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query
-attention, no biases, untied head. HF LlamaForCausalLM checkpoints map onto GPTLMHeadModel.
+attention, no biases, untied head. HF LlamaForCausalLM checkpoints and Meta's original ones
+(consolidated.NN.pth + params.json) map onto GPTLMHeadModel.
 
 Rotary layout: HF's q/k projections are ordered for the "rotate half" (non-interleaved) form, so
-the config keeps rotary_emb_interleaved=False and the weights need no permutation.
+the config keeps rotary_emb_interleaved=False and HF weights need no permutation; Meta's rotate
+interleaved pairs, so their q/k rows are reordered to the rotate-half form on the way in (the
+same permutation HF's conversion script applies).
 """
 
+import json
 import re
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
-from transformers import GPT2Config
+from einops import rearrange
+from transformers import GPT2Config, LlamaConfig
 
-from flash_attn.models.gpt import pad_vocab, padded_vocab_size, split_layer_key
+from flash_attn.models.checkpoint import pad_vocab, padded_vocab_size, split_layer_key, tie_lm_head
+from flash_attn.models.registry import ModelFamily, key_pattern, register_family
 
 
 def _rope_theta(llama_config):
@@ -106,9 +113,7 @@ def remap_state_dict_hf_llama(state_dict, config):
                 out[f"transformer.layers.{i}.mlp.fc1.{param}"] = torch.cat([up, gate], dim=0)
     if pieces:
         raise KeyError(f"remap_state_dict_hf_llama: unexpected keys {sorted(pieces)[:4]}")
-    if config.tie_word_embeddings or "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["transformer.embeddings.word_embeddings.weight"]
-    return out
+    return tie_lm_head(out, config)
 
 
 def inv_remap_state_dict_hf_llama(state_dict, config):
@@ -140,3 +145,127 @@ def inv_remap_state_dict_hf_llama(state_dict, config):
             else:
                 out[f"{prefix}{inverse[module]}.{param}"] = value
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Meta's original checkpoints: <checkpoint_path>/<model_name>/{params.json, consolidated.NN.pth},
+# one file per model-parallel rank (fairscale layout: wq / wk / wv / w1 / w3 / output split by
+# rows, wo / w2 by columns, tok_embeddings by columns (Llama 1 / 2) or rows (Llama 3), norms
+# replicated).
+# ----------------------------------------------------------------------------------------------
+
+
+def config_from_meta_checkpoint(checkpoint_path, model_name):
+    """LlamaConfig from <checkpoint_path>/<model_name>/params.json."""
+    folder = Path(checkpoint_path) / model_name
+    params = json.loads((folder / "params.json").read_text())
+    if params.get("use_scaled_rope"):
+        raise NotImplementedError("config_from_meta_checkpoint: use_scaled_rope (Llama 3.1 rope "
+                                  "scaling) is not supported")
+    # Meta's FeedForward: two thirds of 4 * dim (SwiGLU has three matrices, not two), times
+    # ffn_dim_multiplier, rounded up to multiple_of.
+    intermediate_size = int(2 * 4 * params["dim"] / 3)
+    if params.get("ffn_dim_multiplier") is not None:
+        intermediate_size = int(params["ffn_dim_multiplier"] * intermediate_size)
+    multiple_of = params.get("multiple_of", 1)
+    intermediate_size = multiple_of * -(-intermediate_size // multiple_of)
+    return LlamaConfig(
+        hidden_size=params["dim"], intermediate_size=intermediate_size,
+        num_attention_heads=params["n_heads"], num_hidden_layers=params["n_layers"],
+        num_key_value_heads=params.get("n_kv_heads") or params["n_heads"],
+        rms_norm_eps=params["norm_eps"], rope_theta=params.get("rope_theta", 10000.0),
+        vocab_size=_meta_vocab_size(params, folder))
+
+
+def _meta_vocab_size(params, folder):
+    """params.json's vocab_size when set (Llama 1 / 2 write -1), else the tokenizer's, else
+    32000 (Llama 1 / 2's vocabulary; some Code Llama models have 32016, hence the tokenizer)."""
+    if params.get("vocab_size", -1) > 0:
+        return params["vocab_size"]
+    tokenizer = folder / "tokenizer.model"
+    if not tokenizer.is_file():
+        return 32000
+    try:
+        from sentencepiece import SentencePieceProcessor
+    except ImportError as error:
+        raise ImportError(f"config_from_meta_checkpoint: reading the vocabulary size from "
+                          f"{tokenizer} needs the sentencepiece package") from error
+    return SentencePieceProcessor(model_file=str(tokenizer)).vocab_size()
+
+
+def config_from_hf_checkpoint(checkpoint_path, model_name):
+    """LlamaConfig of the HF conversion beside Meta's folder: <checkpoint_path>/<model_name>-hf."""
+    return LlamaConfig.from_pretrained(Path(checkpoint_path) / f"{model_name}-hf")
+
+
+def config_from_checkpoint(checkpoint_path, model_name, checkpoint_format="meta"):
+    if checkpoint_format not in ("meta", "hf"):
+        raise ValueError(f"checkpoint_format must be 'meta' or 'hf', got {checkpoint_format!r}")
+    if checkpoint_format == "meta":
+        return config_from_meta_checkpoint(checkpoint_path, model_name)
+    return config_from_hf_checkpoint(checkpoint_path, model_name)
+
+
+def state_dicts_from_checkpoint(checkpoint_path, model_name):
+    """Meta's consolidated.NN.pth state dicts, in rank order: remap each with
+    remap_state_dict_meta_llama, then merge them with checkpoint.combine_state_dicts_tp."""
+    paths = sorted((Path(checkpoint_path) / model_name).glob("consolidated.*.pth"),
+                   key=lambda path: int(path.name.split(".")[1]))
+    if not paths:
+        raise FileNotFoundError(f"state_dicts_from_checkpoint: no consolidated.*.pth in "
+                                f"{Path(checkpoint_path) / model_name}")
+    return [torch.load(path, map_location="cpu", weights_only=True, mmap=True) for path in paths]
+
+
+_META_LAYER_NAMES = {"attention_norm": "norm1", "ffn_norm": "norm2",
+                     "attention.wo": "mixer.out_proj", "feed_forward.w2": "mlp.fc2"}
+
+
+def _meta_vocab(value, config):
+    """A whole vocabulary is padded here; a rank's rows are padded once merged."""
+    if value.shape[0] < config.vocab_size:
+        return value
+    return pad_vocab(value, padded_vocab_size(config))
+
+
+def remap_state_dict_meta_llama(state_dict, config):
+    """One of Meta's Llama state dicts (the whole model, or one model-parallel rank's share)
+    -> GPTLMHeadModel(config)'s (or that rank's share of it). wq / wk rows are reordered from
+    Meta's interleaved rotary pairs to the rotate-half form; [w3 (up); w1 (gate)] become fc1."""
+    head_dim = config.n_embd // config.n_head
+    out, pieces = OrderedDict(), {}
+    for key, value in state_dict.items():
+        if key.endswith("rope.freqs"):  # recomputed from the config
+            continue
+        if key == "tok_embeddings.weight":
+            out["transformer.embeddings.word_embeddings.weight"] = _meta_vocab(value, config)
+        elif key == "output.weight":
+            out["lm_head.weight"] = _meta_vocab(value, config)
+        elif key == "norm.weight":
+            out["transformer.ln_f.weight"] = value
+        else:
+            i, module, param = split_layer_key(r"layers\.", key, "remap_state_dict_meta_llama")
+            if module in _META_LAYER_NAMES:
+                out[f"transformer.layers.{i}.{_META_LAYER_NAMES[module]}.{param}"] = value
+            else:  # wq / wk / wv and w1 / w3, stacked below
+                pieces[(i, module)] = value
+    for i in sorted({i for i, _ in pieces}, key=int):
+        q, k, v = [pieces.pop((i, f"attention.w{name}")) for name in "qkv"]
+        q, k = [rearrange(w, "(h d two) n -> (h two d) n", two=2, d=head_dim // 2) for w in (q, k)]
+        out[f"transformer.layers.{i}.mixer.Wqkv.weight"] = torch.cat([q, k, v], dim=0)
+        gate, up = pieces.pop((i, "feed_forward.w1")), pieces.pop((i, "feed_forward.w3"))
+        out[f"transformer.layers.{i}.mlp.fc1.weight"] = torch.cat([up, gate], dim=0)
+    if pieces:
+        raise KeyError(f"remap_state_dict_meta_llama: unexpected keys {sorted(pieces)[:4]}")
+    return tie_lm_head(out, config)
+
+
+register_family(ModelFamily(
+    name="llama", module=__name__, model_types=("llama",),
+    config_to_gpt2_config=llama_config_to_gpt2_config, remap_state_dict=remap_state_dict_hf_llama,
+    inv_remap_state_dict=inv_remap_state_dict_hf_llama,
+    matches=key_pattern(r"\.self_attn\.q_proj\.")))
+register_family(ModelFamily(
+    name="meta_llama", module=__name__, model_types=(),
+    remap_state_dict=remap_state_dict_meta_llama,
+    matches=key_pattern(r"^layers\.\d+\.attention\.wq\.")))

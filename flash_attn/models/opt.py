@@ -7,7 +7,14 @@ from collections import OrderedDict
 
 from transformers import GPT2Config
 
-from flash_attn.models.gpt import pad_vocab, padded_vocab_size, split_layer_key, stack_qkv
+from flash_attn.models.checkpoint import (
+    pad_vocab,
+    padded_vocab_size,
+    split_layer_key,
+    stack_qkv,
+    tie_lm_head,
+)
+from flash_attn.models.registry import ModelFamily, key_pattern, register_family
 
 _POSITION_OFFSET = 2
 
@@ -61,6 +68,10 @@ def remap_state_dict_hf_opt(state_dict, config):
             else:
                 out[f"transformer.layers.{i}.{names[module]}.{param}"] = value
     stack_qkv(out, qkv)
-    if config.tie_word_embeddings or "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["transformer.embeddings.word_embeddings.weight"]
-    return out
+    return tie_lm_head(out, config)
+
+
+register_family(ModelFamily(
+    name="opt", module=__name__, model_types=("opt",),
+    config_to_gpt2_config=opt_config_to_gpt2_config, remap_state_dict=remap_state_dict_hf_opt,
+    matches=key_pattern(r"(^|\.)decoder\.layers\.")))

@@ -21,21 +21,31 @@ from flash_attn.modules.mha import MHA, warn_fallback
 from flash_attn.modules.mlp import Mlp, fused_mlp_cls
 
 
+def create_mixer_cls(num_heads, qkv_bias, attn_drop, use_flash_attn, fused_bias_fc,
+                     cross_attn=False):
+    return partial(MHA, num_heads=num_heads, cross_attn=cross_attn, qkv_proj_bias=qkv_bias,
+                   dropout=attn_drop, fused_bias_fc=fused_bias_fc, use_flash_attn=use_flash_attn)
+
+
+def create_mlp_cls(embed_dim, mlp_ratio, act_layer, fused_mlp):
+    """Mlp with act_layer() (an nn.Module class such as nn.GELU); fused_mlp: FusedMLP, whose
+    gelu is the tanh approximation (a warning and the plain Mlp when it is unavailable)."""
+    hidden_features = int(embed_dim * mlp_ratio)
+    if fused_mlp:
+        if fused_mlp_cls() is not None:
+            return partial(fused_mlp_cls(), hidden_features=hidden_features)
+        warn_fallback("fused_mlp", "flash_attn.ops.fused_dense.FusedMLP is unavailable")
+    return partial(Mlp, hidden_features=hidden_features, activation=act_layer())
+
+
 def create_block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate,
                  drop_path1, drop_path2, norm_layer, act_layer, use_flash_attn, fused_bias_fc,
                  fused_mlp, fused_dropout_add_ln, layer_idx=None, n_layer=None,
                  last_layer_subset=False):
     cross_attn = last_layer_subset and layer_idx == n_layer - 1
-    mixer_cls = partial(MHA, num_heads=num_heads, cross_attn=cross_attn, qkv_proj_bias=qkv_bias,
-                        dropout=attn_drop_rate, fused_bias_fc=fused_bias_fc,
-                        use_flash_attn=use_flash_attn)
-    hidden_features = int(embed_dim * mlp_ratio)
-    mlp_cls = partial(Mlp, hidden_features=hidden_features, activation=act_layer())
-    if fused_mlp:
-        if fused_mlp_cls() is None:
-            warn_fallback("fused_mlp", "flash_attn.ops.fused_dense.FusedMLP is unavailable")
-        else:  # note: the fused kernel's gelu is the tanh approximation
-            mlp_cls = partial(fused_mlp_cls(), hidden_features=hidden_features)
+    mixer_cls = create_mixer_cls(num_heads, qkv_bias, attn_drop_rate, use_flash_attn,
+                                 fused_bias_fc, cross_attn=cross_attn)
+    mlp_cls = create_mlp_cls(embed_dim, mlp_ratio, act_layer, fused_mlp)
     return Block(embed_dim, mixer_cls, mlp_cls, norm_cls=norm_layer, prenorm=True,
                  resid_dropout1=drop_rate, resid_dropout2=drop_rate, drop_path1=drop_path1,
                  drop_path2=drop_path2, fused_dropout_add_ln=fused_dropout_add_ln)
@@ -93,13 +103,13 @@ class VisionTransformer(nn.Module):
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.normal_(self.cls_token, std=1e-6)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                if mode == "jax" and name == "head":
-                    nn.init.zeros_(module.weight)
-                else:
-                    nn.init.trunc_normal_(module.weight, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+            if module is not self:  # the root's init_weights is this method
+                init_weights_vit_timm(module, name)
+        if mode == "jax" and isinstance(self.head, nn.Linear):
+            nn.init.zeros_(self.head.weight)
+
+    def _init_weights(self, module):
+        init_weights_vit_timm(module)
 
     @torch.jit.ignore
     def no_weight_decay(self):
@@ -162,6 +172,17 @@ class VisionTransformer(nn.Module):
                     renamed[f"{last}.Wq.{param}"] = wqkv[: self.embed_dim]
                     renamed[f"{last}.Wkv.{param}"] = wqkv[self.embed_dim:]
         return super().load_state_dict(renamed, strict=strict, **kwargs)
+
+
+def init_weights_vit_timm(module, name=""):
+    """timm's original ViT init for one module: truncated N(0, 0.02) linear weights, zero
+    biases; a module with its own init_weights() runs it. (name: for timm's named_apply.)"""
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, "init_weights"):
+        module.init_weights()
 
 
 def vit_base_patch16_224(pretrained=False, **kwargs):

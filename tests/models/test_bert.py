@@ -4,7 +4,16 @@ from transformers import BertConfig
 from transformers import BertForPreTraining as HFBertForPreTraining
 from transformers import BertModel as HFBertModel
 
-from flash_attn.models.bert import BertForPreTraining, BertModel, inv_remap_state_dict, remap_state_dict
+from flash_attn.models.bert import (
+    BertForPreTraining,
+    BertModel,
+    create_mixer_cls,
+    create_mlp_cls,
+    inv_remap_state_dict,
+    remap_state_dict,
+)
+from flash_attn.modules.mha import MHA
+from flash_attn.modules.mlp import Mlp, fused_mlp_cls
 
 VOCAB = 100
 
@@ -90,6 +99,32 @@ def test_bert_inverse_remap_roundtrip(last_layer_subset):
     assert all(k.endswith("position_ids") for k in missing), missing
     for key in back:
         assert torch.equal(back[key], reference[key]), key
+
+
+def test_bert_create_mixer_and_mlp_cls():
+    config = _bert_config(hidden_act="gelu_new")
+    mixer = create_mixer_cls(config)(64)
+    assert isinstance(mixer, MHA) and not mixer.causal and not mixer.cross_attn
+    assert mixer.num_heads == 4 and mixer.rotary_emb_dim == 0
+    assert create_mixer_cls(config, cross_attn=True)(64).cross_attn
+    rotary = _bert_config(position_embedding_type="rotary")
+    rotary.rotary_emb_dim = 8
+    assert create_mixer_cls(rotary)(64).rotary_emb_dim == 8
+
+    torch.manual_seed(0)
+    mlp = create_mlp_cls(config, return_residual=True)(64)
+    assert type(mlp) is Mlp and mlp.fc1.out_features == 96
+    x = torch.randn(3, 64)
+    out, residual = mlp(x)
+    expected = mlp.fc2(torch.nn.functional.gelu(mlp.fc1(x), approximate="tanh"))
+    assert residual is x and torch.allclose(out, expected)
+    # fused_mlp: FusedMLP for the tanh gelu when it is importable; the plain Mlp for erf gelu.
+    config.fused_mlp = True
+    if fused_mlp_cls() is not None:
+        assert type(create_mlp_cls(config)(64)) is fused_mlp_cls()
+    erf = _bert_config(hidden_act="gelu")
+    erf.fused_mlp = True
+    assert type(create_mlp_cls(erf)(64)) is Mlp
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -8,7 +9,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from flash_attn.models.gpt import (
     GPTLMHeadModel,
     combine_state_dicts_tp,
+    remap_state_dict_any,
     remap_state_dict_hf_gpt2,
+    remap_state_dict_megatron,
     shard_state_dict_tp,
 )
 from flash_attn.utils.generation import decode
@@ -171,6 +174,68 @@ def test_init_weights():
     assert model.lm_head.weight is model.transformer.embeddings.word_embeddings.weight
     untied = GPTLMHeadModel(_config(tie_word_embeddings=False))
     assert untied.lm_head.weight is not untied.transformer.embeddings.word_embeddings.weight
+
+
+def test_mup_init_and_scales():
+    """muP (BTLM): linear weights drawn with std x sqrt(mup_width_scale) and tagged with that
+    learning-rate multiplier; embeddings as usual; scores scaled by 1/d x mup_attn_multiplier."""
+    torch.manual_seed(0)
+    config = _config(n_layer=4, n_embd=256, initializer_range=0.02, mup_width_scale=0.25,
+                     mup_scale_qk_dot_by_d=True, mup_attn_multiplier=3.0)
+    model = GPTLMHeadModel(config)
+    layer = model.transformer.layers[1]
+    assert abs(layer.mixer.Wqkv.weight.std().item() - 0.01) < 1e-3
+    assert abs(layer.mlp.fc2.weight.std().item() - 0.01 / math.sqrt(8)) < 5e-4
+    assert abs(model.transformer.embeddings.word_embeddings.weight.std().item() - 0.02) < 2e-3
+    assert layer.mixer.Wqkv.weight._optim == {"lr_multiplier": 0.25}
+    assert layer.mixer.softmax_scale == 3.0 / 64  # head_dim 64
+    plain = GPTLMHeadModel(_config()).transformer.layers[0]
+    assert not hasattr(plain.mixer.Wqkv.weight, "_optim")
+    assert plain.mixer.softmax_scale == 16 ** -0.5
+
+
+def _to_megatron(ours, config):
+    """Our state dict in Megatron-LM's GPT layout (query_key_value rows per head [q, k, v])."""
+    names = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm",
+             "mixer.out_proj": "self_attention.dense", "mlp.fc1": "mlp.dense_h_to_4h",
+             "mlp.fc2": "mlp.dense_4h_to_h"}
+    out = {"language_model.embedding.word_embeddings.weight":
+           ours["transformer.embeddings.word_embeddings.weight"][: config.vocab_size]}
+    if "transformer.embeddings.position_embeddings.weight" in ours:
+        out["language_model.embedding.position_embeddings.weight"] = \
+            ours["transformer.embeddings.position_embeddings.weight"]
+    for key, value in ours.items():
+        if key.startswith("transformer.ln_f."):
+            out["language_model.encoder.final_layernorm." + key.split(".")[-1]] = value
+        m = re.match(r"transformer\.layers\.(\d+)\.(.+)\.(weight|bias)$", key)
+        if m is None:
+            continue
+        i, module, param = m.groups()
+        prefix = f"language_model.encoder.layers.{i}."
+        if module == "mixer.Wqkv":
+            per_head = value.view(3, config.n_head, -1, *value.shape[1:]).transpose(0, 1)
+            out[f"{prefix}self_attention.query_key_value.{param}"] = per_head.reshape(value.shape)
+        else:
+            out[f"{prefix}{names[module]}.{param}"] = value
+    if getattr(config, "rotary_emb_fraction", 0.0) > 0:
+        out["language_model.encoder.layers.0.self_attention.rotary_emb.inv_freq"] = torch.ones(8)
+    return out
+
+
+@pytest.mark.parametrize("options", [{}, dict(rotary_emb_fraction=0.5, n_positions=0)])
+def test_remap_state_dict_megatron(options):
+    config = _config(**options, pad_vocab_size_multiple=16)
+    torch.manual_seed(0)
+    ours = GPTLMHeadModel(config).state_dict()
+    megatron = _to_megatron(ours, config)
+    for remap in (remap_state_dict_megatron, remap_state_dict_any):  # found by its key names
+        back = remap(megatron, config)
+        assert set(back) == set(ours)
+        for key, value in ours.items():
+            if key in ("transformer.embeddings.word_embeddings.weight", "lm_head.weight"):
+                assert back[key].shape == value.shape and not back[key][VOCAB:].any()
+                value, back[key] = value[:VOCAB], back[key][:VOCAB]  # padding rows: zero
+            assert torch.equal(back[key], value), key
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama-like"])

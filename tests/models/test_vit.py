@@ -3,7 +3,16 @@ import torch
 from transformers import ViTConfig, ViTForImageClassification
 
 from flash_attn.layers.patch_embed import PatchEmbed
-from flash_attn.models.vit import VisionTransformer, remap_state_dict_hf_vit, vit_base_patch16_224
+from flash_attn.models.vit import (
+    VisionTransformer,
+    create_mixer_cls,
+    create_mlp_cls,
+    init_weights_vit_timm,
+    remap_state_dict_hf_vit,
+    vit_base_patch16_224,
+)
+from flash_attn.modules.mha import MHA
+from flash_attn.modules.mlp import Mlp
 
 
 def test_patch_embed_matches_conv():
@@ -60,6 +69,37 @@ def test_vit_loads_timm_names_and_base_config():
     assert torch.equal(fresh(x), ours(x))
     model = vit_base_patch16_224(depth=1)
     assert model.patch_embed.num_patches == 196 and model.head.out_features == 1000
+
+
+def test_vit_create_mixer_and_mlp_cls():
+    mixer = create_mixer_cls(4, qkv_bias=False, attn_drop=0.0, use_flash_attn=False,
+                             fused_bias_fc=False, cross_attn=True)(64)
+    assert isinstance(mixer, MHA) and mixer.cross_attn and mixer.num_heads == 4
+    assert mixer.Wq.bias is None and mixer.Wkv.bias is None
+    mlp = create_mlp_cls(64, mlp_ratio=2.5, act_layer=torch.nn.GELU, fused_mlp=False)(64)
+    assert type(mlp) is Mlp and mlp.fc1.out_features == 160
+    assert isinstance(mlp.activation, torch.nn.GELU)
+
+
+def test_init_weights_vit_timm():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 256)
+    torch.nn.init.ones_(linear.bias)
+    init_weights_vit_timm(linear)
+    assert not linear.bias.any() and abs(linear.weight.std().item() - 0.02) < 1e-3
+
+    class OwnInit(torch.nn.Module):
+        def init_weights(self):
+            self.called = True
+
+    module = OwnInit()
+    init_weights_vit_timm(module, "blocks.0")
+    assert module.called
+    # The model's own init: every linear layer as above; weight_init="jax" zeroes the head.
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4,
+                              num_classes=10, weight_init="jax")
+    assert not model.head.weight.any() and not model.blocks[0].mlp.fc1.bias.any()
+    assert 0.01 < model.blocks[0].mlp.fc1.weight.std().item() < 0.03
 
 
 @pytest.mark.gpu

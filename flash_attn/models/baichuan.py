@@ -1,0 +1,93 @@
+"""Baichuan / Baichuan 2 (remote-code checkpoints, model_type "baichuan") as a GPT
+configuration: Llama's block (RMSNorm, SwiGLU, no biases, untied head) with q / k / v in one
+W_pack projection ([q; k; v] rows, our Wqkv as is). The 7B models use rotary embeddings
+(rotate-half), the 13B ones ALiBi; Baichuan 2 normalises the lm_head rows (NormHead).
+
+The published configs say neither which position encoding nor whether the head is normalised,
+so by default these follow the model sizes that were released (flash-attn's rule): ALiBi for
+hidden_size >= 5000 (13B: 5120, 7B: 4096), NormHead for vocab_size > 70000 (Baichuan 2: 125696,
+Baichuan 1: 64000). use_alibi / norm_head override them.
+"""
+
+import re
+from collections import OrderedDict
+
+import torch
+from transformers import GPT2Config
+
+from flash_attn.models.checkpoint import pad_vocab, padded_vocab_size, split_layer_key, tie_lm_head
+from flash_attn.models.registry import ModelFamily, key_pattern, register_family
+
+
+def baichuan_config_to_gpt2_config(baichuan_config, use_alibi=None, norm_head=None):
+    if getattr(baichuan_config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"baichuan_config_to_gpt2_config: hidden_act "
+                                  f"{baichuan_config.hidden_act!r} is not supported")
+    if use_alibi is None:
+        use_alibi = baichuan_config.hidden_size >= 5000
+    if norm_head is None:
+        norm_head = baichuan_config.vocab_size > 70000
+    return GPT2Config(
+        vocab_size=baichuan_config.vocab_size,
+        n_positions=0,  # rotary or ALiBi
+        n_embd=baichuan_config.hidden_size,
+        n_layer=baichuan_config.num_hidden_layers,
+        n_head=baichuan_config.num_attention_heads,
+        n_inner=baichuan_config.intermediate_size,
+        activation_function="swiglu",
+        mlp_multiple_of=1,  # intermediate_size is used as given
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        layer_norm_epsilon=baichuan_config.rms_norm_eps,
+        initializer_range=getattr(baichuan_config, "initializer_range", 0.02),
+        bos_token_id=getattr(baichuan_config, "bos_token_id", None),
+        eos_token_id=getattr(baichuan_config, "eos_token_id", None),
+        pad_token_id=getattr(baichuan_config, "pad_token_id", None),
+        rms_norm=True,
+        rotary_emb_fraction=0.0 if use_alibi else 1.0,
+        rotary_emb_interleaved=False,
+        use_alibi=use_alibi,
+        norm_head=norm_head,
+        tie_word_embeddings=getattr(baichuan_config, "tie_word_embeddings", False),
+        qkv_proj_bias=False, out_proj_bias=False, mlp_fc1_bias=False, mlp_fc2_bias=False,
+    )
+
+
+_NAMES = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2",
+          "self_attn.W_pack": "mixer.Wqkv", "self_attn.o_proj": "mixer.out_proj",
+          "mlp.down_proj": "mlp.fc2"}
+
+
+def remap_state_dict_hf_baichuan(state_dict, config):
+    """Baichuan's (remote-code BaichuanForCausalLM) state dict -> GPTLMHeadModel(config)'s:
+    [up; gate] become fc1, the rest is renamed."""
+    vocab = padded_vocab_size(config)
+    out, gated = OrderedDict(), {}
+    for key, value in state_dict.items():
+        key = re.sub(r"^model\.", "", key)
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if key == "embed_tokens.weight":
+            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(value, vocab)
+        elif key == "lm_head.weight":
+            out[key] = pad_vocab(value, vocab)
+        elif key == "norm.weight":
+            out["transformer.ln_f.weight"] = value
+        else:
+            i, module, param = split_layer_key(r"layers\.", key, "remap_state_dict_hf_baichuan")
+            if module in _NAMES:
+                out[f"transformer.layers.{i}.{_NAMES[module]}.{param}"] = value
+            elif module in ("mlp.up_proj", "mlp.gate_proj"):
+                gated[(i, module, param)] = value
+            else:
+                raise KeyError(f"remap_state_dict_hf_baichuan: unexpected key {key!r}")
+    for i, param in sorted({(i, p) for i, _, p in gated}):
+        out[f"transformer.layers.{i}.mlp.fc1.{param}"] = torch.cat(
+            [gated.pop((i, "mlp.up_proj", param)), gated.pop((i, "mlp.gate_proj", param))])
+    return tie_lm_head(out, config)
+
+
+register_family(ModelFamily(
+    name="baichuan", module=__name__, model_types=("baichuan",),
+    config_to_gpt2_config=baichuan_config_to_gpt2_config,
+    remap_state_dict=remap_state_dict_hf_baichuan,
+    matches=key_pattern(r"\.self_attn\.W_pack\.")))
