@@ -227,12 +227,12 @@ static void run_case(int head_dim, bool causal, int seqlen) {
     params.seqlen_q_rounded = params.seqlen_k_rounded = seqlen_rounded;
     params.head_dim = head_dim;
     params.total_q = batch * seqlen;
-    params.softmax_scale = params.scale_softmax = 1.f / std::sqrt(float(head_dim));
-    params.scale_softmax_log2 = params.scale_softmax * 1.4426950408889634f;
+    params.softmax_scale = params.score_scale = 1.f / std::sqrt(float(head_dim));
+    params.score_scale_log2 = params.score_scale * 1.4426950408889634f;
     params.is_masked = causal;
     params.window_size_left = -1;
     params.window_size_right = causal ? 0 : -1;
-    params.p_dropout = 1.f;  // probability of keeping
+    params.keep_prob = 1.f;  // no dropout
     params.is_bf16 = true;
     params.dq_accum_ptr = buf.dq_accum;
     // (splits, heads, rows, head_dim), as the binding allocates it.

@@ -1,5 +1,17 @@
 // The torch binding of the attention kernels (module flash_attn_2_cuda): argument checks,
 // allocation, one params struct, dispatch. The only attention file that includes torch.
+//
+// Who checks what. The public Python functions own argument validation: they check every
+// argument first and name it in a ValueError (flash_attn/attention_checks.py, and the scalar
+// options in flash_attn/attention_options.py). The checks here are only those a direct caller of
+// this extension needs so that a kernel cannot read or write out of bounds: the dtype, device,
+// rank, shape and stride of each tensor the kernels index, the head dim and the compiled kernels
+// that hold it, and the page size of a paged cache. Option values that cannot make a kernel touch
+// memory it should not (softcap, dropout_p, num_splits, ...) are not checked again here. Two
+// checks beyond memory safety stay because this is where their subject lives: the window is
+// normalised here and only here (set_common_params; every caller reaches it, flash-attn 2.8's
+// private ops included), and entries below -1 have no meaning to it; and return_softmax needs
+// dropout, since only the dropout kernels write S_dmask (flash-attn 2.8 raises this too).
 #include <algorithm>
 #include <cmath>
 #include <mutex>
@@ -72,7 +84,7 @@ void set_strides(const at::Tensor &t, int64_t &batch_stride, int64_t &row_stride
 // strides of q, k, v, out, the sizes, softmax scale / softcap, window, dropout, ALiBi.
 void set_common_params(flash::AttentionParams &params, const at::Tensor &q, const at::Tensor &k,
                        const at::Tensor &v, const at::Tensor &out, const at::Tensor &softmax_lse, int batch,
-                       int seqlen_q, int seqlen_k, float p_dropout, float softmax_scale, bool is_causal,
+                       int seqlen_q, int seqlen_k, float dropout_p, float softmax_scale, bool is_causal,
                        int window_size_left, int window_size_right, float softcap,
                        const std::optional<at::Tensor> &alibi_slopes_) {
     params.q_ptr = q.data_ptr();
@@ -96,19 +108,19 @@ void set_common_params(flash::AttentionParams &params, const at::Tensor &q, cons
     params.seqlen_q_rounded = int(round_up(seqlen_q, 128));
     params.seqlen_k_rounded = int(round_up(seqlen_k, 128));
 
-    FLASH_CHECK(softcap >= 0.f, "softcap must be >= 0, got ", softcap);
     params.softmax_scale = softmax_scale;
     if (softcap > 0.f) {
         params.softcap = softcap;
         params.softcap_input_scale = softmax_scale / softcap;
-        params.scale_softmax = softcap;
+        params.score_scale = softcap;
     } else {
-        params.scale_softmax = softmax_scale;
+        params.score_scale = softmax_scale;
     }
-    params.scale_softmax_log2 = params.scale_softmax * float(M_LOG2E);
+    params.score_scale_log2 = params.score_scale * float(M_LOG2E);
 
-    // Causal is the window (-1, 0). A window side that reaches past every key of every query is
-    // no bound at all: drop it so that the cheaper unmasked tiles apply.
+    // The window's normalisation (the one place): causal is the window (-1, 0), and a side that
+    // reaches past every key of every query is no bound at all, dropped so that the cheaper
+    // unmasked tiles apply.
     if (is_causal) { window_size_right = 0; }
     if (window_size_left >= seqlen_k) { window_size_left = -1; }
     if (window_size_right >= seqlen_q) { window_size_right = -1; }
@@ -118,10 +130,9 @@ void set_common_params(flash::AttentionParams &params, const at::Tensor &q, cons
     params.window_size_right = window_size_right;
     params.is_masked = window_size_left >= 0 || window_size_right >= 0;
 
-    FLASH_CHECK(p_dropout >= 0.f && p_dropout < 1.f, "dropout_p must be in [0, 1), got ", p_dropout);
-    params.p_dropout = 1.f - p_dropout;
-    params.rp_dropout = 1.f / params.p_dropout;
-    params.dropout_keep_threshold = uint32_t(std::lround(double(params.p_dropout) * 65536.0));
+    params.keep_prob = 1.f - dropout_p;
+    params.inv_keep_prob = 1.f / params.keep_prob;
+    params.dropout_keep_threshold = uint32_t(std::lround(double(params.keep_prob) * 65536.0));
 
     if (alibi_slopes_.has_value()) {
         const at::Tensor &slopes = alibi_slopes_.value();
@@ -142,7 +153,7 @@ void set_common_params(flash::AttentionParams &params, const at::Tensor &q, cons
 at::Tensor set_dropout_rng(flash::AttentionParams &params, const at::Tensor &q,
                            const std::optional<at::Generator> &gen_) {
     auto rng_state = at::empty({2}, q.options().dtype(at::kLong));
-    if (params.p_dropout < 1.f) {
+    if (params.keep_prob < 1.f) {
         auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
             gen_, at::cuda::detail::getDefaultCUDAGenerator());
         at::PhiloxCudaState state;
@@ -166,10 +177,12 @@ at::Tensor set_dropout_rng(flash::AttentionParams &params, const at::Tensor &q,
 
 at::Tensor make_s_dmask(flash::AttentionParams &params, const at::Tensor &q, bool return_softmax) {
     if (!return_softmax) { return at::empty({0}, q.options()); }
-    FLASH_CHECK(params.p_dropout < 1.f, "return_softmax needs dropout_p > 0 (S_dmask encodes the dropout mask)");
-    auto p = at::zeros({params.batch, params.heads, params.seqlen_q_rounded, params.seqlen_k_rounded}, q.options());
-    params.p_ptr = p.data_ptr();
-    return p;
+    // Only the dropout kernels write S_dmask (it encodes the dropout mask).
+    FLASH_CHECK(params.keep_prob < 1.f, "return_softmax needs dropout_p > 0 (S_dmask encodes the dropout mask)");
+    auto s_dmask = at::zeros({params.batch, params.heads, params.seqlen_q_rounded, params.seqlen_k_rounded},
+                             q.options());
+    params.s_dmask_ptr = s_dmask.data_ptr();
+    return s_dmask;
 }
 
 at::Tensor out_or_new(const std::optional<at::Tensor> &out_, const at::Tensor &q) {
@@ -231,7 +244,7 @@ void check_backward_inputs(const at::Tensor &q, const at::Tensor &out, const at:
 // q (b, s_q, h, d), k/v (b, s_k, h_k, d) -> out, softmax_lse (b, h, s_q), S_dmask, rng_state.
 std::vector<at::Tensor> mha_fwd(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                                 std::optional<at::Tensor> out_, std::optional<at::Tensor> alibi_slopes_,
-                                double p_dropout, double softmax_scale, bool is_causal,
+                                double dropout_p, double softmax_scale, bool is_causal,
                                 int64_t window_size_left, int64_t window_size_right, double softcap,
                                 bool return_softmax, std::optional<at::Generator> gen_) {
     check_padded_inputs(q, k, v);
@@ -242,13 +255,13 @@ std::vector<at::Tensor> mha_fwd(const at::Tensor &q, const at::Tensor &k, const 
     auto softmax_lse = at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
     flash::AttentionParams params;
     set_common_params(params, q, k, v, out, softmax_lse, int(batch), int(seqlen_q), int(seqlen_k),
-                      float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
+                      float(dropout_p), float(softmax_scale), is_causal, int(window_size_left),
                       int(window_size_right), float(softcap), alibi_slopes_);
-    at::Tensor p = make_s_dmask(params, q, return_softmax);
+    at::Tensor s_dmask = make_s_dmask(params, q, return_softmax);
     at::Tensor rng_state = set_dropout_rng(params, q, gen_);
 
     if (out.numel() > 0) { flash::run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream()); }
-    return {out, softmax_lse, p, rng_state};
+    return {out, softmax_lse, s_dmask, rng_state};
 }
 
 // q (total_q, h, d); k/v (total_k, h_k, d), or paged (num_blocks, page_block_size, h_k, d) with
@@ -258,7 +271,7 @@ std::vector<at::Tensor> mha_varlen_fwd(
     const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, std::optional<at::Tensor> out_,
     const at::Tensor &cu_seqlens_q, const at::Tensor &cu_seqlens_k, std::optional<at::Tensor> seqused_k_,
     std::optional<at::Tensor> leftpad_k_, std::optional<at::Tensor> block_table_,
-    std::optional<at::Tensor> alibi_slopes_, int64_t max_seqlen_q, int64_t max_seqlen_k, double p_dropout,
+    std::optional<at::Tensor> alibi_slopes_, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
     double softmax_scale, bool zero_tensors, bool is_causal, int64_t window_size_left,
     int64_t window_size_right, double softcap, bool return_softmax, std::optional<at::Generator> gen_) {
     const bool paged = block_table_.has_value();
@@ -274,7 +287,7 @@ std::vector<at::Tensor> mha_varlen_fwd(
     auto softmax_lse = at::empty({heads, total_q}, q.options().dtype(at::kFloat));
     flash::AttentionParams params;
     set_common_params(params, q, k, v, out, softmax_lse, int(batch), int(max_seqlen_q), int(max_seqlen_k),
-                      float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
+                      float(dropout_p), float(softmax_scale), is_causal, int(window_size_left),
                       int(window_size_right), float(softcap), alibi_slopes_);
     if (paged) {
         params.block_table = block_table_->data_ptr<int>();
@@ -285,7 +298,7 @@ std::vector<at::Tensor> mha_varlen_fwd(
     params.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
     params.seqused_k = seqused_k_.has_value() ? seqused_k_->data_ptr<int>() : nullptr;
     params.leftpad_k = leftpad_k_.has_value() ? leftpad_k_->data_ptr<int>() : nullptr;
-    at::Tensor p = make_s_dmask(params, q, return_softmax);
+    at::Tensor s_dmask = make_s_dmask(params, q, return_softmax);
     at::Tensor rng_state = set_dropout_rng(params, q, gen_);
 
     if (zero_tensors) {
@@ -295,7 +308,7 @@ std::vector<at::Tensor> mha_varlen_fwd(
     if (total_q > 0 && batch > 0 && max_seqlen_q > 0) {
         flash::run_mha_fwd(params, at::cuda::getCurrentCUDAStream().stream());
     }
-    return {out, softmax_lse, p, rng_state};
+    return {out, softmax_lse, s_dmask, rng_state};
 }
 
 // How many CTAs share the key range of one (query block, batch, head). Two forward CTAs fit an SM
@@ -339,7 +352,6 @@ std::vector<at::Tensor> mha_fwd_kvcache(
     int64_t seqlen_k = kcache.size(1);
     if (paged) {
         check_int32(block_table_.value(), "block_table", q, {batch, block_table_->size(1)});
-        FLASH_CHECK(!kv_batch_idx_.has_value(), "cache_batch_idx cannot be combined with block_table");
         FLASH_CHECK(kcache.size(1) % kPageMultiple == 0, "the page_block_size of a paged k_cache (k_cache.size(1)) "
                     "must be a multiple of ", kPageMultiple, ", got ", kcache.size(1));
         seqlen_k = block_table_->size(1) * kcache.size(1);
@@ -349,7 +361,6 @@ std::vector<at::Tensor> mha_fwd_kvcache(
     }
     if (kv_batch_idx_.has_value()) { check_int32(kv_batch_idx_.value(), "cache_batch_idx", q, {batch}); }
     if (leftpad_k_.has_value()) { check_int32(leftpad_k_.value(), "cache_leftpad", q, {batch}); }
-    FLASH_CHECK(num_splits >= 0, "num_splits must be >= 0, got ", num_splits);
     at::cuda::CUDAGuard device_guard{q.device()};
 
     at::Tensor out = out_or_new(out_, q);
@@ -428,7 +439,7 @@ void set_backward_params(flash::AttentionParams &params, const at::Tensor &q, co
     params.dq_accum_split_stride = buf.dq_accum.stride(0);
     params.dq_accum_head_stride = buf.dq_accum.stride(1);
     params.dq_accum_row_stride = buf.dq_accum.stride(2);
-    if (params.p_dropout < 1.f) {
+    if (params.keep_prob < 1.f) {
         FLASH_CHECK(rng_state.numel() == 2 && rng_state.scalar_type() == at::kLong && rng_state.device() == q.device(),
                     "rng_state must be the (2,) int64 tensor the forward returned, got ", rng_state.sizes(), " ",
                     rng_state.scalar_type());
@@ -479,7 +490,7 @@ std::vector<at::Tensor> mha_bwd(const at::Tensor &dout, const at::Tensor &q, con
                                 const at::Tensor &v, const at::Tensor &out, const at::Tensor &softmax_lse,
                                 std::optional<at::Tensor> dq_, std::optional<at::Tensor> dk_,
                                 std::optional<at::Tensor> dv_, std::optional<at::Tensor> alibi_slopes_,
-                                double p_dropout, double softmax_scale, bool is_causal, int64_t window_size_left,
+                                double dropout_p, double softmax_scale, bool is_causal, int64_t window_size_left,
                                 int64_t window_size_right, double softcap, bool deterministic,
                                 std::optional<at::Generator> gen_, std::optional<at::Tensor> rng_state_) {
     check_padded_inputs(q, k, v);
@@ -492,7 +503,7 @@ std::vector<at::Tensor> mha_bwd(const at::Tensor &dout, const at::Tensor &q, con
     BackwardBuffers buf = make_backward_buffers(q, k, v, dq_, dk_, dv_, {batch, heads, seqlen_q});
     flash::AttentionParams params;
     set_common_params(params, q, k, v, out, softmax_lse, int(batch), int(seqlen_q), int(seqlen_k),
-                      float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
+                      float(dropout_p), float(softmax_scale), is_causal, int(window_size_left),
                       int(window_size_right), float(softcap), alibi_slopes_);
     set_grad_strides(params, buf, dout);
     set_backward_params(params, q, dout, buf, rng_state_.value_or(at::Tensor()), deterministic,
@@ -512,7 +523,7 @@ std::vector<at::Tensor> mha_varlen_bwd(
     const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &out,
     const at::Tensor &softmax_lse, std::optional<at::Tensor> dq_, std::optional<at::Tensor> dk_,
     std::optional<at::Tensor> dv_, const at::Tensor &cu_seqlens_q, const at::Tensor &cu_seqlens_k,
-    std::optional<at::Tensor> alibi_slopes_, int64_t max_seqlen_q, int64_t max_seqlen_k, double p_dropout,
+    std::optional<at::Tensor> alibi_slopes_, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
     double softmax_scale, bool zero_tensors, bool is_causal, int64_t window_size_left, int64_t window_size_right,
     double softcap, bool deterministic, std::optional<at::Generator> gen_, std::optional<at::Tensor> rng_state_) {
     const int64_t batch = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, false);
@@ -525,7 +536,7 @@ std::vector<at::Tensor> mha_varlen_bwd(
     if (zero_tensors) { buf.dq.zero_(), buf.dk.zero_(), buf.dv.zero_(); }
     flash::AttentionParams params;
     set_common_params(params, q, k, v, out, softmax_lse, int(batch), int(max_seqlen_q), int(max_seqlen_k),
-                      float(p_dropout), float(softmax_scale), is_causal, int(window_size_left),
+                      float(dropout_p), float(softmax_scale), is_causal, int(window_size_left),
                       int(window_size_right), float(softcap), alibi_slopes_);
     params.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
     params.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();

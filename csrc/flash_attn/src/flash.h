@@ -38,7 +38,7 @@ struct AttentionParams {
 
     // S_dmask (batch, heads, seqlen_q_rounded, seqlen_k_rounded): probabilities, negated where
     // dropout dropped them. Written only when return_softmax and dropout is on.
-    void *__restrict__ p_ptr = nullptr;
+    void *__restrict__ s_dmask_ptr = nullptr;
 
     int batch = 0, heads = 0, heads_k = 0, heads_per_head_k = 1;
     int seqlen_q = 0, seqlen_k = 0;  // max over the batch for varlen
@@ -64,12 +64,15 @@ struct AttentionParams {
     const int *__restrict__ kv_batch_idx = nullptr;
     const int *__restrict__ leftpad_k = nullptr;
 
-    // Softmax. With softcap > 0 the kernel computes tanh(qk * softcap_input_scale) and the softmax
-    // scale becomes softcap, so that score = softcap * tanh(qk * scale / softcap).
-    float scale_softmax = 1.f;       // natural-log units: score = qk * scale_softmax
-    float scale_softmax_log2 = 1.f;  // scale_softmax * log2(e): the kernel works in base 2
+    // Scores. The kernel's S accumulator holds q k^T, which softcap > 0 replaces by
+    // tanh(q k^T * softcap_input_scale); the score the softmax exponentiates is that accumulator
+    // times score_scale: softmax_scale without softcap, softcap with it (so that score =
+    // softcap * tanh(q k^T * softmax_scale / softcap)). ALiBi and the mask act on the accumulator.
+    float softmax_scale = 1.f;     // the caller's scale of q k^T (the backward's dq and dk use it)
+    float score_scale = 1.f;       // score = S accumulator * score_scale, natural-log units
+    float score_scale_log2 = 1.f;  // score_scale * log2(e): the kernel's exp is base 2
     float softcap = 0.f;
-    float softcap_input_scale = 0.f;
+    float softcap_input_scale = 0.f;  // softmax_scale / softcap
 
     // Masking. is_masked: a causal or sliding-window mask applies (window sizes below, -1 = none
     // on that side; causal is window (-1, 0)).
@@ -81,9 +84,10 @@ struct AttentionParams {
     index_t alibi_slopes_batch_stride = 0;
 
     // Dropout: keep an element when its 16-bit random number is below dropout_keep_threshold.
-    float p_dropout = 0.f;              // probability of keeping
-    uint32_t dropout_keep_threshold = 0;
-    float rp_dropout = 1.f;             // 1 / p_dropout
+    // keep_prob is 1 - dropout_p (the API's probability of dropping); 1 = no dropout.
+    float keep_prob = 1.f;
+    uint32_t dropout_keep_threshold = 0;  // keep_prob * 2^16
+    float inv_keep_prob = 1.f;            // 1 / keep_prob: kept weights are scaled by it
     PhiloxState philox;
     int64_t *__restrict__ rng_state = nullptr;  // (2,): the seed and offset actually used
 
@@ -113,7 +117,6 @@ struct AttentionParams {
     bool deterministic = false;
     float *__restrict__ oaccum_ptr = nullptr;
     float *__restrict__ softmax_lse_accum_ptr = nullptr;
-    float softmax_scale = 1.f;  // the caller's scale of q k^T (scale_softmax is softcap with softcap)
 
     bool is_bf16 = false;
 };

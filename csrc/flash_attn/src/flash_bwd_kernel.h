@@ -488,7 +488,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         for (int r = 0; r < size<0>(scores); ++r) {
             CUTE_UNROLL
             for (int c = 0; c < size<1>(scores); ++c) {
-                scores(r, c) = exp2f(scores(r, c) * params.scale_softmax_log2 - lse_log2[r]);
+                scores(r, c) = exp2f(scores(r, c) * params.score_scale_log2 - lse_log2[r]);
             }
         }
         if constexpr (Is_dropout) {  // dropped elements become -P (see dS below)
@@ -496,7 +496,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                                        static_cast<Element *>(nullptr), 0);
         }
 
-        // dS = P (dP / p_keep (0 where dropped) - softmax_d) [* (1 - tanh^2)]. Two copies of the
+        // dS = P (dP / keep_prob (0 where dropped) - softmax_d) [* (1 - tanh^2)]. Two copies of the
         // loop, so that without softcap no instruction of its derivative is issued (predicated off).
         Tensor dp = make_tensor(acc_dp.data(), acc_as_rowcol(acc_dp.layout()));
         auto compute_ds = [&](auto softcap_on) {
@@ -512,7 +512,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                     float ds;
                     if constexpr (Is_dropout) {
                         const bool kept = p >= 0.f;
-                        ds = fabsf(p) * ((kept ? dp(r, c) * params.rp_dropout : 0.f) - row_d[r]);
+                        ds = fabsf(p) * ((kept ? dp(r, c) * params.inv_keep_prob : 0.f) - row_d[r]);
                         scores(r, c) = kept ? p : 0.f;  // P with dropped elements zeroed, for dV
                     } else {
                         ds = p * (dp(r, c) - row_d[r]);
@@ -534,7 +534,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         if constexpr (kWgmma) { fence_smem_for_wgmma(); }
         __syncthreads();  // P and dS complete in shared memory
 
-        // dV += P^T dO (the 1 / p_keep of dropout is applied once, at the end), dK += dS^T Q,
+        // dV += P^T dO (the 1 / keep_prob of dropout is applied once, at the end), dK += dS^T Q,
         // dQ = dS K.
         Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         if constexpr (kWgmma) {
@@ -569,7 +569,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         }
     }
 
-    const float dk_scale = params.softmax_scale, dv_scale = Is_dropout ? params.rp_dropout : 1.f;
+    const float dk_scale = params.softmax_scale, dv_scale = Is_dropout ? params.inv_keep_prob : 1.f;
     auto rows_aligned = [](const void *ptr, int64_t offset, int64_t row_stride) {
         return (reinterpret_cast<uintptr_t>(static_cast<const Element *>(ptr) + offset) % 16 == 0) &&
                row_stride % (16 / sizeof(Element)) == 0;

@@ -33,7 +33,7 @@ template <typename Run>
 void with_flags(const AttentionParams &params, Run run) {
     using T = std::true_type;
     using F = std::false_type;
-    if (params.p_dropout < 1.f) {
+    if (params.keep_prob < 1.f) {
         if (params.is_masked) { run(T{}, T{}); } else { run(T{}, F{}); }
     } else {
         if (params.is_masked) { run(F{}, T{}); } else { run(F{}, F{}); }

@@ -181,8 +181,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     uint64_t seed = 0, offset = 0;
     if constexpr (Is_dropout) { philox_seed_offset(params.philox, seed, offset); }
     const Dropout dropout(params, seed, offset, bidb, bidh);
-    Element *s_dmask = params.p_ptr == nullptr ? nullptr
-        : reinterpret_cast<Element *>(params.p_ptr) +
+    Element *s_dmask = params.s_dmask_ptr == nullptr ? nullptr
+        : reinterpret_cast<Element *>(params.s_dmask_ptr) +
               (int64_t(bidb) * params.heads + bidh) * params.seqlen_q_rounded * params.seqlen_k_rounded;
 
     // Prologue: Q and the last key block.
@@ -243,7 +243,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
             cute::cp_async_fence();
         }
 
-        softmax.update(scores, acc_o_rowcol, params.scale_softmax_log2);
+        softmax.update(scores, acc_o_rowcol, params.score_scale_log2);
         if constexpr (Is_dropout) {
             if (s_dmask != nullptr) {
                 dropout.apply<false, true>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, lane,
@@ -273,7 +273,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     // memory for coalesced 16-byte stores and lse written.
     const bool partial = params.num_splits > 1;
     float lse[kRows];
-    softmax.finalize(acc_o_rowcol, params.scale_softmax, Is_dropout ? params.rp_dropout : 1.f, lse,
+    softmax.finalize(acc_o_rowcol, params.score_scale, Is_dropout ? params.inv_keep_prob : 1.f, lse,
                      partial ? -INFINITY : INFINITY);
     if (partial) {
         Tensor tOcO = tiled_mma_o.get_thread_slice(tidx).partition_C(

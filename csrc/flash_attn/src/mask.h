@@ -16,13 +16,13 @@ struct AttentionMask {
     // Keys j of query i stay in [i + diag - window_left, i + diag + window_right] with
     // diag = seqlen_k - seqlen_q (bottom-right alignment); a negative window is unbounded.
     int seqlen_k, diag, window_left, window_right;
-    float alibi_slope;  // already divided by the softmax scale: the bias is added to raw scores
+    float alibi_slope;  // divided by score_scale: the bias is added to the S accumulator
 
     // The mask of head bidh of batch entry bidb.
     __device__ static AttentionMask make(const AttentionParams &params, const SequenceInfo &seq, int bidb, int bidh) {
         const float slope = params.alibi_slopes_ptr == nullptr
             ? 0.f
-            : params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] / params.scale_softmax;
+            : params.alibi_slopes_ptr[bidb * params.alibi_slopes_batch_stride + bidh] / params.score_scale;
         return {seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, params.window_size_left, params.window_size_right, slope};
     }
 

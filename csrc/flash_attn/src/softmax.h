@@ -56,14 +56,14 @@ struct OnlineSoftmax {
     // no key get output 0 and lse empty_lse (+inf for a final result, so the backward gives them
     // no gradient; -inf for a split-KV partial, so the combine gives them no weight).
     template <typename TO>
-    __device__ __forceinline__ void finalize(TO &acc_o, float scale_softmax, float out_scale,
+    __device__ __forceinline__ void finalize(TO &acc_o, float score_scale, float out_scale,
                                              float (&lse)[kRows], float empty_lse) {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             const float sum = quad_allreduce(row_sum[r], SumOp{});
             const bool empty = sum == 0.f || sum != sum;
             const float inv = empty ? 1.f : out_scale / sum;
-            lse[r] = empty ? empty_lse : row_max[r] * scale_softmax + __logf(sum);
+            lse[r] = empty ? empty_lse : row_max[r] * score_scale + __logf(sum);
             CUTE_UNROLL
             for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= inv; }
         }
