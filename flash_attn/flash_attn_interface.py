@@ -11,6 +11,8 @@ The autograd Functions keep flash-attn's names, but their forward takes the scal
 AttentionOptions where flash-attn's takes them one by one.
 """
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -362,6 +364,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens = _check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                         cache_seqlens, cache_batch_idx, cache_leftpad,
                                         block_table, alibi_slopes, num_splits)
+    if q.shape[1] == 1 and alibi_slopes is None and options.window_size_left < 0:
+        # One query is aligned with its entry's last key: a causal mask or a right window hides
+        # nothing (flash-attn drops causal here too), and the GQA row packing below then applies.
+        options = dataclasses.replace(options, causal=False, window_size_right=-1)
     # A causal or sliding-window mask was asked for (flash-attn's "local"); whether it bounds
     # any key is the binding's business.
     local = options.causal or options.window_size_left >= 0 or options.window_size_right >= 0
