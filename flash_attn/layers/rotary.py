@@ -7,12 +7,15 @@ another branch of the graph.
 
 The kernel is reached through torch.library ops (flash_attn.ops.triton.rotary), so every function
 here, the in-place ones included, also runs under torch.compile (fullgraph=True as well).
+apply_rotary_emb_torch is the one PyTorch rotation: the tests' reference, and what RotaryEmbedding
+runs on tensors the kernel cannot take (CPU without the Triton interpreter).
 """
 
 from typing import Optional, Tuple, Union
 
 import torch
 
+from flash_attn.ops.triton.launch_device import triton_interpreter_enabled
 from flash_attn.ops.triton.rotary import apply_rotary
 
 
@@ -25,20 +28,60 @@ def rotate_half(x, interleaved=False):
     return torch.cat((-x1, x0), dim=-1)
 
 
-def apply_rotary_emb_torch(x, cos, sin, interleaved=False):
-    """Reference rotary embedding in plain PyTorch.
+def _tables_per_row(x, cos, sin, seqlen_offsets, cu_seqlens):
+    """cos, sin of the position of every row of x, shaped to broadcast over heads: (s, 1, r) or
+    (b, s, 1, r) for x (b, s, h, d); (total, 1, r) for packed x with cu_seqlens. Positions past
+    the table turn by 0 (cos 1, sin 0), as the kernel does."""
+    if cos.dim() == 3:  # (batch, seqlen, rotary_dim / 2): each sequence's own table, as given
+        if cu_seqlens is not None or isinstance(seqlen_offsets, torch.Tensor) or seqlen_offsets:
+            raise ValueError("cos: a (batch, seqlen, rotary_dim / 2) table takes no seqlen_offsets "
+                             "or cu_seqlens")
+        return cos.unsqueeze(-2), sin.unsqueeze(-2)
+    seqlen_ro = cos.shape[0]
+    if cu_seqlens is None and not isinstance(seqlen_offsets, torch.Tensor):
+        if seqlen_offsets + x.shape[1] <= seqlen_ro:  # the common case: one slice of the table
+            rows = slice(seqlen_offsets, seqlen_offsets + x.shape[1])
+            return cos[rows].unsqueeze(-2), sin[rows].unsqueeze(-2)
+    if cu_seqlens is not None:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
+        pos = torch.arange(x.shape[0], device=x.device) - cu_seqlens.long()[seq_idx]
+    else:
+        seq_idx = torch.arange(x.shape[0], device=x.device)[:, None]
+        pos = torch.arange(x.shape[1], device=x.device)[None, :]
+    if isinstance(seqlen_offsets, torch.Tensor):
+        pos = pos + seqlen_offsets.to(x.device).long()[seq_idx]
+    else:
+        pos = pos + seqlen_offsets
+    inside = (pos < seqlen_ro).unsqueeze(-1)
+    pos = pos.clamp(max=seqlen_ro - 1)
+    cos = torch.where(inside, cos[pos], 1.0)
+    sin = torch.where(inside, sin[pos], 0.0)
+    return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
-    x: (batch, seqlen, nheads, headdim); cos, sin: (seqlen, rotary_dim / 2) or
-    (batch, seqlen, rotary_dim / 2). Features past rotary_dim are passed through.
+
+def apply_rotary_emb_torch(x, cos, sin, interleaved=False, seqlen_offsets=0, cu_seqlens=None,
+                           conjugate=False):
+    """Rotary embedding in plain PyTorch: the reference of the kernel, and its stand-in where the
+    kernel cannot run. Computed in the promoted dtype of x and cos.
+
+    x: (batch, seqlen, nheads, headdim), or (total_seqlen, nheads, headdim) with cu_seqlens.
+    cos, sin: (seqlen_ro, rotary_dim / 2), or (batch, seqlen, rotary_dim / 2) per sequence.
+    seqlen_offsets: int or (batch,) tensor, as in apply_rotary_emb. conjugate: rotate by minus
+    the angle (the inverse, which is also the backward). Features past rotary_dim pass through.
     """
     rotary_dim = 2 * cos.shape[-1]
-    assert rotary_dim <= x.shape[-1], "rotary_dim must be <= headdim"
-    # Spread the rotary_dim / 2 angles over the feature layout, and broadcast over heads.
+    if rotary_dim > x.shape[-1]:
+        raise ValueError(f"cos: expected rotary_dim / 2 <= headdim / 2 = {x.shape[-1] // 2}, got "
+                         f"{cos.shape[-1]}")
+    cos, sin = _tables_per_row(x, cos, sin, seqlen_offsets, cu_seqlens)
+    if conjugate:
+        sin = -sin
+    # Spread the rotary_dim / 2 angles over the feature layout.
     if interleaved:
         cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
     else:
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     xr = x[..., :rotary_dim]
     return torch.cat((xr * cos + rotate_half(xr, interleaved) * sin, x[..., rotary_dim:]), dim=-1)
 
@@ -110,7 +153,8 @@ def _packed_views(qkv, num_heads_q):
             raise ValueError("qkv must be (batch, seqlen, 3, nheads, headdim), got "
                              f"{tuple(qkv.shape)}")
         b, s, _, h, d = qkv.shape
-        q, k, v = qkv.unbind(dim=2)
+        # Single views, not unbind(): autograd lets the PyTorch path rotate them in place.
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         # q and k are one run of 2 * h heads when the qkv axis steps over exactly h heads. A view,
         # not as_strided(..., storage_offset()): torch.compile cannot put storage_offset() in a
         # graph, and a graph break inside the in-place Function breaks compiling it.
@@ -234,7 +278,8 @@ class RotaryEmbedding(torch.nn.Module):
     pos_idx_in_fp32: build position indices in fp32. When False they take inv_freq's dtype,
         which reproduces models trained in pure bf16, where nearby positions collide.
     The cos/sin tables are cached, rebuilt when a longer sequence, another device or dtype, or
-    training after inference mode asks for it.
+    training after inference mode asks for it. CUDA tensors (and CPU ones under the Triton
+    interpreter) are rotated by the Triton kernel, other CPU tensors by apply_rotary_emb_torch.
     """
 
     def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None,
@@ -310,6 +355,8 @@ class RotaryEmbedding(torch.nn.Module):
             self._update_cos_sin_cache(max_seqlen, device=qkv.device, dtype=qkv.dtype)
         elif isinstance(seqlen_offset, int):
             self._update_cos_sin_cache(seqlen + seqlen_offset, device=qkv.device, dtype=qkv.dtype)
+        if not _kernel_takes(qkv):
+            return self._rotate_torch(qkv, kv, seqlen_offset, num_heads_q)
         if kv is None:
             return apply_rotary_emb_qkv_(qkv, self._cos_cached, self._sin_cached,
                                          self._cos_k_cached, self._sin_k_cached,
@@ -323,3 +370,29 @@ class RotaryEmbedding(torch.nn.Module):
         kv = apply_rotary_emb_kv_(kv, cos_k, sin_k, interleaved=self.interleaved,
                                   seqlen_offsets=seqlen_offset)
         return q, kv
+
+    def _rotate_torch(self, qkv, kv, seqlen_offset, num_heads_q):
+        """forward's rotation in PyTorch (apply_rotary_emb_torch), in place and in fp32 as the
+        kernel's, for tensors the Triton kernel cannot take."""
+        cos_k = self._cos_cached if self.scale is None else self._cos_k_cached
+        sin_k = self._sin_cached if self.scale is None else self._sin_k_cached
+
+        def rotate_(x, cos, sin):
+            rotated = x[..., :2 * cos.shape[-1]]
+            rotated.copy_(apply_rotary_emb_torch(rotated.float(), cos.float(), sin.float(),
+                                                 self.interleaved, seqlen_offsets=seqlen_offset))
+
+        if kv is None:
+            q, k, _, _ = _packed_views(qkv, num_heads_q)
+        else:
+            q, k = qkv, kv[:, :, 0]
+        rotate_(q, self._cos_cached, self._sin_cached)
+        rotate_(k, cos_k, sin_k)
+        return qkv if kv is None else (qkv, kv)
+
+
+def _kernel_takes(x):
+    """Whether the Triton kernel runs on x: a CUDA tensor, or a CPU one under the interpreter.
+    While torch.compile traces, always (the kernel is an opaque op there; reading the
+    interpreter setting would break the graph)."""
+    return x.is_cuda or torch.compiler.is_compiling() or triton_interpreter_enabled()

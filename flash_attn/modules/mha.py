@@ -1,38 +1,55 @@
-"""Multi-head attention: the inner attention modules (flash kernels or the PyTorch reference) and
-MHA / ParallelMHA, which add the projections, rotary embeddings and the kv cache for inference.
+"""Multi-head attention: MHA and ParallelMHA, which add the in / out projections, rotary
+embeddings and the kv cache for inference around an inner attention module.
 
-Paths: `use_flash_attn=True` calls the flash-attn kernels (CUDA, fp16/bf16); otherwise
-`SelfAttention` / `CrossAttention` compute the same thing in PyTorch (any device and dtype, with
-the same causal / window / alibi / GQA semantics), which is what the CPU tests run.
+Paths: `use_flash_attn=True` runs the flash-attn kernels (CUDA, fp16/bf16; FlashSelfAttention,
+FlashCrossAttention); otherwise SelfAttention / CrossAttention compute the same thing in PyTorch
+(any device and dtype), which is what the CPU tests run. The inner modules live in
+flash_attn.modules.inner_attention and are importable from here, as in flash-attn.
 """
 
 import importlib
 import math
-import os
 import warnings
 from functools import partial
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from einops import rearrange
 
 from flash_attn import flash_attn_interface as fai
+from flash_attn.modules.inner_attention import (  # noqa: F401  (flash-attn's import path)
+    CrossAttention,
+    FlashCrossAttention,
+    FlashSelfAttention,
+    SelfAttention,
+    fp32_slopes,
+)
+from flash_attn.ops.fused_dense import ColumnParallelLinear, FusedDense, RowParallelLinear
 from flash_attn.utils.autocast import compute_dtype
+from flash_attn.utils.distributed import get_dim_for_local_rank
+from flash_attn.utils.testing import attention_ref
 
 # ----------------------------------------------------------------------------------------------
-# Optional pieces written elsewhere in the package: imported lazily, with a fallback.
+# Helpers other modules share: optional imports and the fallback warning.
 # ----------------------------------------------------------------------------------------------
 
 _warned = set()
 
 
 def import_optional(module, name):
-    """`module.name`, or None when that module is missing or broken (e.g. not written yet)."""
+    """`module.name`, or None when `module` or a third-party package it needs (triton, say) is
+    not installed. Anything else propagates: an error inside the module, a missing name, or a
+    missing flash_attn module that it imports is a bug, not an absent option. (No module of
+    this package needs its CUDA extensions to import: they load at first call.)"""
     try:
-        return getattr(importlib.import_module(module), name)
-    except Exception:  # ImportError, or a half-landed module failing at import
+        found = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        inside_package = missing.split(".")[0] == "flash_attn"
+        if inside_package and not (module == missing or module.startswith(missing + ".")):
+            raise
         return None
+    return getattr(found, name)
 
 
 def warn_fallback(flag, reason):
@@ -57,225 +74,8 @@ def get_alibi_slopes(nheads):
     return power_of_two_slopes(lower) + get_alibi_slopes(2 * lower)[0::2][: nheads - lower]
 
 
-# ----------------------------------------------------------------------------------------------
-# Reference attention in PyTorch.
-# ----------------------------------------------------------------------------------------------
-
-
-def attention_reference(q, k, v, causal=False, softmax_scale=None, dropout_p=0.0,
-                        key_padding_mask=None, query_lengths=None, window_size=(-1, -1),
-                        alibi_slopes=None, softcap=0.0):
-    """softmax(q k^T * scale + bias) v with flash-attn's masking semantics.
-
-    q (b, s_q, h, d); k, v (b, s_k, h_k, d) with h divisible by h_k. key_padding_mask (b, s_k)
-    bool, True = keep. query_lengths (b,) marks padded queries. The causal / window diagonal of
-    query i in sample b sits at key i + len_k[b] - len_q[b] (bottom-right aligned to the real
-    lengths, as the kernels do); alibi adds -slope * |diagonal - j|. Rows with no key get 0.
-    """
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    if nheads_k != nheads:
-        k = k.repeat_interleave(nheads // nheads_k, dim=2)
-        v = v.repeat_interleave(nheads // nheads_k, dim=2)
-    scale = softmax_scale if softmax_scale is not None else head_dim ** (-0.5)
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
-    if softcap > 0.0:
-        scores = softcap * torch.tanh(scores / softcap)
-
-    device = q.device
-    len_k = (key_padding_mask.sum(-1) if key_padding_mask is not None
-             else torch.full((batch,), seqlen_k, device=device))
-    len_q = query_lengths if query_lengths is not None else torch.full((batch,), seqlen_q, device=device)
-    row = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
-    col = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
-    diagonal = row + (len_k - len_q).view(-1, 1, 1, 1)  # (b, 1, s_q, 1)
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.float().view(-1 if alibi_slopes.dim() == 2 else 1, nheads, 1, 1)
-        scores = scores - slopes.reshape(slopes.shape[0], nheads, 1, 1) * (diagonal - col).abs()
-
-    left, right = window_size
-    if causal:
-        right = 0
-    masked = torch.zeros(1, 1, 1, seqlen_k, dtype=torch.bool, device=device)
-    if key_padding_mask is not None:
-        masked = masked | ~key_padding_mask.view(batch, 1, 1, seqlen_k)
-    if right >= 0:
-        masked = masked | (col > diagonal + right)
-    if left >= 0:
-        masked = masked | (col < diagonal - left)
-    # A finite fill keeps softmax NaN-free; rows with no visible key are zeroed afterwards.
-    scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
-    attn = torch.softmax(scores, dim=-1)
-    attn = attn.masked_fill(masked.all(dim=-1, keepdim=True), 0.0)
-    if dropout_p > 0.0:
-        attn = F.dropout(attn, dropout_p)
-    return torch.einsum("bhts,bshd->bthd", attn.to(v.dtype), v)
-
-
-def _pad_varlen(x, cu_seqlens, max_seqlen):
-    """(total, ...) packed rows -> (batch, max_seqlen, ...) zero-padded, and the (batch,
-    max_seqlen) mask of real rows."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    pos = torch.arange(max_seqlen, device=x.device)
-    valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
-    index = (cu_seqlens[:-1].unsqueeze(1).long() + pos).clamp(max=x.shape[0] - 1)
-    padded = x[index] * valid.view(*valid.shape, *([1] * (x.dim() - 1))).to(x.dtype)
-    return padded, valid
-
-
-class _InnerAttention(nn.Module):
-    """The settings shared by the inner attention modules, reference and flash alike."""
-
-    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0,
-                 window_size=(-1, -1), alibi_slopes=None, deterministic=False):
-        super().__init__()
-        self.causal, self.softmax_scale, self.window_size = causal, softmax_scale, window_size
-        self.drop = nn.Dropout(attention_dropout)
-        self.deterministic = deterministic
-        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
-
-    def _kwargs(self, causal):
-        """Keyword arguments of one attention call; causal=None keeps the module's setting."""
-        return dict(causal=self.causal if causal is None else causal,
-                    softmax_scale=self.softmax_scale,
-                    dropout_p=self.drop.p if self.training else 0.0,
-                    window_size=self.window_size, alibi_slopes=self.alibi_slopes)
-
-
-class SelfAttention(_InnerAttention):
-    """Reference self-attention. qkv (b, s, 3, h, d), or (total, 3, h, d) with cu_seqlens."""
-
-    def forward(self, qkv, causal=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None):
-        """key_padding_mask (b, s) bool, True = real token; queries share it, so the causal
-        diagonal stays at key i for query i."""
-        q, k, v = qkv.unbind(dim=-3)
-        return _reference_call(self, q, k, v, causal, key_padding_mask, cu_seqlens, max_seqlen,
-                               cu_seqlens, max_seqlen, query_padding_mask=key_padding_mask)
-
-
-class CrossAttention(_InnerAttention):
-    """Reference attention of q (b, s_q, h, d) to kv (b, s_k, 2, h_k, d) (or packed varlen)."""
-
-    def forward(self, q, kv, causal=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
-                cu_seqlens_k=None, max_seqlen_k=None, query_padding_mask=None):
-        """Without query_padding_mask every query is real, and the causal diagonal of query i
-        sits at key i + len_k - s_q (bottom-right, e.g. new tokens against a kv cache)."""
-        k, v = kv.unbind(dim=-3)
-        return _reference_call(self, q, k, v, causal, key_padding_mask, cu_seqlens, max_seqlen,
-                               cu_seqlens_k, max_seqlen_k, query_padding_mask)
-
-
-def _reference_call(module, q, k, v, causal, key_padding_mask, cu_seqlens_q, max_seqlen_q,
-                    cu_seqlens_k, max_seqlen_k, query_padding_mask=None):
-    kwargs = module._kwargs(causal)
-    if cu_seqlens_q is None:
-        query_lengths = query_padding_mask.sum(-1) if query_padding_mask is not None else None
-        return attention_reference(q, k, v, key_padding_mask=key_padding_mask,
-                                   query_lengths=query_lengths, **kwargs)
-    # Varlen: pad each sequence to the batch's longest, attend with masks, re-pack.
-    q_pad, q_valid = _pad_varlen(q, cu_seqlens_q, max_seqlen_q)
-    k_pad, k_valid = _pad_varlen(k, cu_seqlens_k, max_seqlen_k)
-    v_pad, _ = _pad_varlen(v, cu_seqlens_k, max_seqlen_k)
-    out = attention_reference(q_pad, k_pad, v_pad, key_padding_mask=k_valid,
-                              query_lengths=q_valid.sum(-1), **kwargs)
-    return out[q_valid]
-
-
-# ----------------------------------------------------------------------------------------------
-# Flash attention modules (CUDA kernels).
-# ----------------------------------------------------------------------------------------------
-
-
-def _fp32(alibi_slopes):
-    # The kernels take fp32 slopes; model.to(bfloat16) converts float buffers too.
-    return alibi_slopes.float() if alibi_slopes is not None else None
-
-
-class _FlashInnerAttention(_InnerAttention):
-    """The kernels' call also takes deterministic (for the backward) and fp32 slopes."""
-
-    def _kwargs(self, causal):
-        return dict(super()._kwargs(causal), alibi_slopes=_fp32(self.alibi_slopes),
-                    deterministic=self.deterministic)
-
-
-class FlashSelfAttention(_FlashInnerAttention):
-    """qkv (b, s, 3, h, d), or (total, 3, h, d) with cu_seqlens (b+1,) int32 and max_seqlen."""
-
-    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None):
-        kwargs = self._kwargs(causal)
-        if cu_seqlens is None:
-            return fai.flash_attn_qkvpacked_func(qkv, **kwargs)
-        return fai.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **kwargs)
-
-
-class FlashCrossAttention(_FlashInnerAttention):
-    """q (b, s_q, h, d), kv (b, s_k, 2, h_k, d); or packed (total, ...) with cu_seqlens(_k)."""
-
-    def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None,
-                max_seqlen_k=None):
-        kwargs = self._kwargs(causal)
-        if cu_seqlens is None:
-            return fai.flash_attn_kvpacked_func(q, kv, **kwargs)
-        return fai.flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen,
-                                                   max_seqlen_k, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------------
-# Rotary embedding: flash_attn.layers.rotary when present, else a small PyTorch stand-in.
-# ----------------------------------------------------------------------------------------------
-
-
-class _TorchRotaryEmbedding(nn.Module):
-    """The subset of layers.rotary.RotaryEmbedding that MHA uses, in plain PyTorch (no xPos)."""
-
-    def __init__(self, dim, base=10000.0, interleaved=False, scale_base=None,
-                 pos_idx_in_fp32=True, device=None):
-        super().__init__()
-        if scale_base is not None:
-            raise NotImplementedError("rotary scale_base (xPos) needs flash_attn.layers.rotary")
-        self.dim, self.interleaved = dim, interleaved
-        inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def _rotate(self, x, cos, sin):
-        rot, rest = x[..., : self.dim].float(), x[..., self.dim:]
-        if self.interleaved:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            x1, x2 = rot.chunk(2, dim=-1)
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-            rot = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-        return torch.cat((rot.to(x.dtype), rest), dim=-1)
-
-    def forward(self, qkv, kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None):
-        seqlen = qkv.shape[1]
-        pos = torch.arange(seqlen, device=qkv.device, dtype=torch.float32)
-        if isinstance(seqlen_offset, torch.Tensor):
-            pos = pos + seqlen_offset.view(-1, 1).float()  # (b, s): one offset per sample
-        else:
-            pos = pos + seqlen_offset
-        freqs = pos.unsqueeze(-1) * self.inv_freq  # (s, dim/2) or (b, s, dim/2)
-        shape = (freqs.shape[0] if freqs.dim() == 3 else 1, seqlen, 1, self.dim // 2)
-        cos, sin = freqs.cos().view(shape), freqs.sin().view(shape)
-        if kv is not None:  # qkv is q alone; kv (b, s, 2, h_k, d)
-            k, v = kv.unbind(dim=2)
-            return self._rotate(qkv, cos, sin), torch.stack((self._rotate(k, cos, sin), v), dim=2)
-        if num_heads_q is not None:  # (b, s, h + 2 h_k, d)
-            nk = (qkv.shape[2] - num_heads_q) // 2
-            q, k, v = qkv.split([num_heads_q, nk, nk], dim=2)
-            return torch.cat((self._rotate(q, cos, sin), self._rotate(k, cos, sin), v), dim=2)
-        q, k, v = qkv.unbind(dim=2)
-        return torch.stack((self._rotate(q, cos, sin), self._rotate(k, cos, sin), v), dim=2)
-
-
-def rotary_embedding_cls():
-    """The rotary module MHA builds, and its name (for reporting which path is active)."""
-    cls = import_optional("flash_attn.layers.rotary", "RotaryEmbedding")
-    if cls is None:
-        return _TorchRotaryEmbedding, "torch"
-    return cls, "flash_attn.layers.rotary (Triton on GPU, PyTorch on CPU)"
+# The rotary module MHA builds (reported by extra_repr and models' path summaries).
+ROTARY_PATH = "flash_attn.layers.rotary (Triton on GPU, PyTorch on CPU)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,10 +126,7 @@ def _update_kv_cache(kv, inference_params, layer_idx):
 def dense_classes(fused_bias_fc):
     """(linear, linear returning its input) for the fused or plain path."""
     if fused_bias_fc:
-        fused_dense = import_optional("flash_attn.ops.fused_dense", "FusedDense")
-        if fused_dense is not None:
-            return fused_dense, partial(fused_dense, return_residual=True)
-        warn_fallback("fused_bias_fc", "flash_attn.ops.fused_dense is unavailable")
+        return FusedDense, partial(FusedDense, return_residual=True)
     return nn.Linear, LinearResidual
 
 
@@ -392,9 +189,12 @@ class MHA(nn.Module):
         self.out_proj = linear_cls(embed_dim, embed_dim, bias=out_proj_bias, **factory)
 
     def _init_rotary(self, dim, base, scale_base, interleaved, device):
-        rotary_cls, self.rotary_path = rotary_embedding_cls()
-        self.rotary_emb = rotary_cls(dim, base=base, scale_base=scale_base,
-                                     interleaved=interleaved, device=device)
+        # Imported here, not at the top: it brings in triton, which only rotary models need.
+        from flash_attn.layers.rotary import RotaryEmbedding
+
+        self.rotary_path = ROTARY_PATH
+        self.rotary_emb = RotaryEmbedding(dim, base=base, scale_base=scale_base,
+                                          interleaved=interleaved, device=device)
 
     def _init_inner_attention(self, use_flash_attn, causal, softmax_scale, dropout, window_size,
                               alibi_slopes):
@@ -441,7 +241,7 @@ class MHA(nn.Module):
                 cache_seqlens=seqlens.to(torch.int32),
                 softmax_scale=self.inner_cross_attn.softmax_scale, causal=self.causal,
                 window_size=self.window_size,
-                alibi_slopes=_fp32(self.inner_cross_attn.alibi_slopes))
+                alibi_slopes=fp32_slopes(self.inner_cross_attn.alibi_slopes))
         seqlen = q.shape[1]
         if isinstance(cache_seqlens, int):
             cache[:, cache_seqlens: cache_seqlens + seqlen] = kv
@@ -457,10 +257,10 @@ class MHA(nn.Module):
             key_padding_mask = (torch.arange(cache.shape[1], device=q.device)
                                 < (cache_seqlens.view(-1, 1) + seqlen))
         attn = self.inner_cross_attn
-        return attention_reference(q, keys[:, :, 0], keys[:, :, 1], causal=self.causal,
-                                   softmax_scale=attn.softmax_scale,
-                                   key_padding_mask=key_padding_mask,
-                                   window_size=self.window_size, alibi_slopes=attn.alibi_slopes)
+        out, _ = attention_ref(q, keys[:, :, 0], keys[:, :, 1], key_padding_mask=key_padding_mask,
+                               causal=self.causal, softmax_scale=attn.softmax_scale,
+                               window_size=self.window_size, alibi_slopes=attn.alibi_slopes)
+        return out
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -505,24 +305,9 @@ class MHA(nn.Module):
                       if inference_params.lengths_per_sample is not None
                       else inference_params.seqlen_offset)
             max_seqlen = inference_params.max_seqlen
-        rotary = self.rotary_emb
-        if (not q_or_qkv.is_cuda and not isinstance(rotary, _TorchRotaryEmbedding)
-                and os.environ.get("TRITON_INTERPRET") != "1"):
-            rotary = self._cpu_rotary(rotary, q_or_qkv.device)
         if kv is None:
-            return rotary(q_or_qkv, seqlen_offset=offset, max_seqlen=max_seqlen), None
-        return rotary(q_or_qkv, kv, seqlen_offset=offset, max_seqlen=max_seqlen)
-
-    def _cpu_rotary(self, rotary, device):
-        """The Triton rotary kernel needs a GPU (or the interpreter): the PyTorch stand-in with
-        the same settings serves CPU tensors. Kept out of the module tree (no state)."""
-        fallback = self.__dict__.get("_rotary_cpu")
-        if fallback is None or fallback.inv_freq.device != device:
-            fallback = _TorchRotaryEmbedding(rotary.dim, base=rotary.base,
-                                             interleaved=rotary.interleaved,
-                                             scale_base=rotary.scale_base, device=device)
-            self.__dict__["_rotary_cpu"] = fallback
-        return fallback
+            return self.rotary_emb(q_or_qkv, seqlen_offset=offset, max_seqlen=max_seqlen), None
+        return self.rotary_emb(q_or_qkv, kv, seqlen_offset=offset, max_seqlen=max_seqlen)
 
     def _attend(self, q_or_qkv, kv, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
                 cu_seqlens_k=None, max_seqlen_k=None):
@@ -611,9 +396,6 @@ class ParallelMHA(MHA):
                  rotary_emb_scale_base=None, rotary_emb_interleaved=False, use_alibi=False,
                  window_size=(-1, -1), use_flash_attn=False, checkpointing=False,
                  sequence_parallel=True, device=None, dtype=None):
-        from flash_attn.ops.fused_dense import ColumnParallelLinear, RowParallelLinear
-        from flash_attn.utils.distributed import get_dim_for_local_rank
-
         factory = {"device": device, "dtype": dtype}
         nn.Module.__init__(self)
         world_size = torch.distributed.get_world_size(process_group)

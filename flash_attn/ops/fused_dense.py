@@ -13,13 +13,13 @@ Paths a call can take:
   works on CPU (gloo).
 
 heuristic: -1 = GEMM and activation as separate kernels; 0..4 = that candidate of cuBLASLt's
-heuristic; "auto" = measure once per (shape, dtype, device) the candidates and the unfused path,
-for the forward and the backward separately, and the weight gradients' GEMM (BGRADB epilogue or
-PyTorch's mm + sum), and keep the fastest (ties go to what heuristic=-1 runs). The candidates are
-timed in interleaved rounds with the L2 cache flushed before each call.
+heuristic; "auto" = measured once per problem and cached (flash_attn.ops.fused_dense_autotune).
+
+Both autograd Functions end their backward with the same steps (_linear_grads: the input
+gradient, reduced over the process group, and the weight and bias gradients). What a call can
+take (eligibility, the fused weight-gradient GEMM) is decided once, in the forward.
 """
 
-import contextlib
 import functools
 from typing import Optional
 
@@ -27,12 +27,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.amp import custom_bwd, custom_fwd
 from torch.distributed import ProcessGroup
 
 from flash_attn._native import extension_available, load_extension
-from flash_attn.utils.autocast import compute_dtype
+from flash_attn.ops import fused_dense_autotune
 from flash_attn.ops.activations import gelu_bwd, gelu_fwd, relu_bwd, sqrelu_bwd, sqrelu_fwd
+from flash_attn.utils.autocast import compute_dtype
 from flash_attn.utils.distributed import (
     all_gather_raw,
     all_reduce,
@@ -49,6 +49,8 @@ _MAX_FUSED_DIM = 65535 * 32
 # cuBLASLt's leading-dimension rule for the saved activation input: GELU input in elements, ReLU
 # bit-mask in bits.
 _AUX_MULTIPLE = {"gelu_approx": 8, "relu": 128}
+# The "auto" plans, by problem (the dict itself lives with the autotuner; benchmarks read it here).
+_AUTO_PLANS = fused_dense_autotune.AUTO_PLANS
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,16 +73,36 @@ def _cast(dtype, *tensors):
     return [t if t is None else t.to(dtype) for t in tensors]
 
 
+# The per-call paths below skip no-op reshapes and casts: each still costs a dispatcher call, which
+# on the H200 machine's host takes about as long as launching a small kernel.
+
+
+def _as_rows(t, rows):
+    """t (..., features) as (rows, features)."""
+    return t if t.dim() == 2 else t.reshape(rows, t.shape[-1])
+
+
+def _as_batch(t, batch_shape):
+    """t (rows, features) as (*batch_shape, features)."""
+    return t if len(batch_shape) == 1 else t.reshape(*batch_shape, t.shape[-1])
+
+
+def _to_dtype(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _dense_eligible(x, weight, *more):
     """The fused kernels can take these inputs (device, dtype, sizes, extension)."""
     if _ext() is None or not _on_one_cuda_device(x, weight, *more):
         return False
-    dtype = _autocast_dtype(x)
-    if dtype not in _HALF_DTYPES:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        if torch.get_autocast_dtype(device_type) not in _HALF_DTYPES:
+            return False
+    elif x.dtype not in _HALF_DTYPES:
         return False
-    if not torch.is_autocast_enabled(x.device.type):
-        if any(t is not None and t.dtype != x.dtype for t in (weight, *more)):
-            return False  # mixed dtypes without autocast: let F.linear report it
+    elif any(t is not None and t.dtype != x.dtype for t in (weight, *more)):
+        return False  # mixed dtypes without autocast: let F.linear report it
     batch_dim = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
     return _sizes_ok(batch_dim, [size for t in (weight, *more) if t is not None for size in t.shape])
 
@@ -92,86 +114,147 @@ def _sizes_ok(rows, features):
             and max(rows, *features) <= _MAX_FUSED_DIM)
 
 
-def _wgrad(input, grad_output, need_bias, fused=True):
+# ---------------------------------------------------------------------------------------------
+# The steps both Functions share
+
+
+def _record_autocast(ctx):
+    """What custom_fwd(device_type="cuda") records: the forward's CUDA autocast state."""
+    ctx.autocast_state = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+
+
+def _backward_under_forward_autocast(backward):
+    """custom_bwd(device_type="cuda")'s guarantee, the backward runs under the forward's autocast
+    state (_record_autocast), entering an autocast context only when the current state differs.
+    custom_bwd enters one on every call, the largest fixed cost of these backwards."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        enabled, dtype = ctx.autocast_state
+        if torch.is_autocast_enabled("cuda") == enabled and (
+                not enabled or torch.get_autocast_dtype("cuda") == dtype):
+            return backward(ctx, *grads)
+        with torch.autocast("cuda", enabled=enabled, dtype=dtype):
+            return backward(ctx, *grads)
+
+    return wrapper
+
+
+def _gather_rows(x, process_group, sequence_parallel):
+    """(total_x, handle): every rank's rows of x, all-gathered asynchronously (sequence
+    parallelism), or x itself and None."""
+    if process_group is not None and sequence_parallel:
+        return all_gather_raw(x, process_group, async_op=True)
+    return x, None
+
+
+def _wgrad_fusable(x, rows, *layer_sizes):
+    """For each (in_features, out_features) of layer_sizes: whether the fused weight-gradient GEMM
+    takes a (rows, in_features) input with x's device and dtype and a (rows, out_features) output
+    gradient. Decided in the forward, once, for the backward."""
+    takes_x = _ext() is not None and _on_one_cuda_device(x) and x.dtype in _HALF_DTYPES
+    return [takes_x and _sizes_ok(rows, sizes) for sizes in layer_sizes]
+
+
+def _wgrad(input, grad_output, need_bias, fused):
     """(grad_weight, grad_bias or None) of a Linear from 2-D input and grad_output; fused: one
-    cuBLASLt GEMM with the bias gradient in its epilogue, else PyTorch's mm and sum."""
-    if (fused and _ext() is not None and _on_one_cuda_device(input, grad_output) and input.dtype in _HALF_DTYPES
-            and _sizes_ok(input.shape[0], [input.shape[1], grad_output.shape[1]])):
-        grad_output = grad_output.to(input.dtype).contiguous()
+    cuBLASLt GEMM with the bias gradient in its epilogue (see _wgrad_fusable), else PyTorch's mm
+    and sum."""
+    if fused:
+        grad_output = _to_dtype(grad_output, input.dtype).contiguous()
         return tuple(_ext().linear_bias_wgrad(input.contiguous(), grad_output, need_bias))
-    grad_weight = grad_output.t().mm(input.to(grad_output.dtype))
+    grad_weight = grad_output.t().mm(_to_dtype(input, grad_output.dtype))
     return grad_weight, (grad_output.sum(0) if need_bias else None)
+
+
+def _weight_grads(input, grad_output, need_weight, need_bias, fused):
+    """(grad_weight, grad_bias) of a Linear from its 2-D input and output gradient, None where not
+    needed: both from one GEMM (_wgrad), or the bias's sum alone."""
+    if need_weight:
+        return _wgrad(input, grad_output, need_bias, fused)
+    return None, (grad_output.sum(0) if need_bias else None)
+
+
+def _linear_grads(grad_output, weight, total_x, handle_x, needs_input_grad, fused_wgrad,
+                  residual_grad, process_group, sequence_parallel, batch_shape):
+    """(grad_input, grad_weight, grad_bias) of y = x W^T + b for 2-D grad_output (rows, out).
+
+    The input gradient, plus residual_grad when the layer also returned its input, is reshaped to
+    (*batch_shape, in) and reduced over process_group (reduce-scatter with sequence_parallel, else
+    all-reduce) while the weight gradient runs; with a process group the residual's gradient,
+    already local, is added after the reduction. total_x: the layer's input, still being gathered
+    while handle_x is not None."""
+    need_input, need_weight, need_bias = needs_input_grad
+    rows = grad_output.shape[0]
+    grad_input = handle_grad_input = None
+    if need_input:
+        if residual_grad is not None and process_group is None:
+            residual = _to_dtype(_as_rows(residual_grad, rows), grad_output.dtype)
+            grad_input = torch.addmm(residual, grad_output, weight)
+        else:
+            grad_input = grad_output.mm(weight)
+        grad_input = _as_batch(grad_input, batch_shape)
+        if process_group is not None:
+            reduce_fn = reduce_scatter_raw if sequence_parallel else all_reduce_raw
+            grad_input, handle_grad_input = reduce_fn(grad_input, process_group, async_op=True)
+    if need_weight:
+        if handle_x is not None:
+            handle_x.wait()
+            handle_x = None
+        total_x = _as_rows(total_x, rows)
+    grad_weight, grad_bias = _weight_grads(total_x, grad_output, need_weight, need_bias, fused_wgrad)
+    if handle_x is not None:
+        handle_x.wait()
+    if handle_grad_input is not None:
+        handle_grad_input.wait()
+        if residual_grad is not None:
+            grad_input = grad_input + residual_grad
+    return grad_input, grad_weight, grad_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear
 
 
 class FusedDenseFunc(torch.autograd.Function):
     @staticmethod
-    @custom_fwd(device_type="cuda")
     def forward(ctx, x, weight, bias, return_residual=False, process_group=None, sequence_parallel=True):
         """x (..., in_features); with a process_group and sequence_parallel, x is this rank's shard
         of dim 0 and is all-gathered first."""
+        _record_autocast(ctx)
         ctx.compute_weight_gradient = weight.requires_grad
         ctx.return_residual = return_residual
         ctx.process_group = process_group
-        ctx.sequence_parallel = sequence_parallel
-        if torch.is_autocast_enabled(x.device.type):
+        ctx.sequence_parallel = process_group is not None and sequence_parallel
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if autocast:
             x = x.to(_autocast_dtype(x))
         x = x.contiguous()
-        handle_x = None
-        if process_group is not None and sequence_parallel:
-            total_x, handle_x = all_gather_raw(x, process_group, async_op=True)
-        else:
-            total_x = x
-        if torch.is_autocast_enabled(x.device.type):  # cast while the gather is in flight
+        total_x, handle_x = _gather_rows(x, process_group, sequence_parallel)
+        if autocast:  # cast while the gather is in flight
             weight, bias = _cast(x.dtype, weight, bias)
         if handle_x is not None:
             handle_x.wait()
         output = F.linear(total_x, weight, bias)
+        ctx.fused_wgrad = ctx.compute_weight_gradient and _wgrad_fusable(
+            x, total_x.shape[:-1].numel(), weight.shape[::-1])[0]
         # Only the local shard is kept; backward gathers it again (memory over communication).
         ctx.save_for_backward(x if ctx.compute_weight_gradient else None, weight)
         return output if not return_residual else (output, x)
 
     @staticmethod
-    @custom_bwd(device_type="cuda")
+    @_backward_under_forward_autocast
     def backward(ctx, grad_output, *args):
         grad_output = grad_output.contiguous()
         x, weight = ctx.saved_tensors
-        process_group = ctx.process_group
-        sequence_parallel = process_group is not None and ctx.sequence_parallel
-        handle_x = None
-        if x is not None and sequence_parallel:
-            total_x, handle_x = all_gather_raw(x, process_group, async_op=True)
-        else:
-            total_x = x
+        total_x, handle_x = (None, None) if x is None else _gather_rows(
+            x, ctx.process_group, ctx.sequence_parallel)
         batch_shape = grad_output.shape[:-1]
-        batch_dim = batch_shape.numel()
-        grad_output = grad_output.reshape(batch_dim, grad_output.shape[-1])
-        grad_input = handle_grad_input = None
-        if ctx.needs_input_grad[0]:
-            if ctx.return_residual and process_group is None:
-                residual_grad = args[0].reshape(batch_dim, weight.shape[1])
-                grad_input = torch.addmm(residual_grad.to(grad_output.dtype), grad_output, weight)
-            else:
-                grad_input = grad_output.mm(weight)
-            grad_input = grad_input.reshape(*batch_shape, weight.shape[1])
-            if process_group is not None:
-                reduce_fn = reduce_scatter_raw if sequence_parallel else all_reduce_raw
-                grad_input, handle_grad_input = reduce_fn(grad_input, process_group, async_op=True)
-        grad_weight = grad_bias = None
-        if ctx.needs_input_grad[1]:
-            if handle_x is not None:
-                handle_x.wait()
-                handle_x = None
-            total_x = total_x.reshape(batch_dim, total_x.shape[-1])
-            grad_weight, grad_bias = _wgrad(total_x, grad_output, ctx.needs_input_grad[2])
-        elif ctx.needs_input_grad[2]:
-            grad_bias = grad_output.sum(0)
-        if handle_x is not None:
-            handle_x.wait()
-        if handle_grad_input is not None:
-            handle_grad_input.wait()
-            if ctx.return_residual:  # the residual's gradient is already local: add it after the reduce
-                grad_input = grad_input + args[0]
-        return grad_input, grad_weight, grad_bias, None, None, None
+        grad_output = _as_rows(grad_output, batch_shape.numel())
+        grads = _linear_grads(grad_output, weight, total_x, handle_x, ctx.needs_input_grad[:3],
+                              ctx.fused_wgrad, args[0] if ctx.return_residual else None,
+                              ctx.process_group, ctx.sequence_parallel, batch_shape)
+        return (*grads, None, None, None)
 
 
 def fused_dense_func(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, return_residual: bool = False,
@@ -293,7 +376,6 @@ def _act_backward(grad_output, weight2, act_input, output1, activation, heuristi
 
 class FusedMLPFunc(torch.autograd.Function):
     @staticmethod
-    @custom_fwd(device_type="cuda")
     def forward(ctx, x, weight1, bias1, weight2, bias2, activation="gelu_approx", save_pre_act=True,
                 return_residual=False, checkpoint_lvl=0, heuristic=0, process_group=None, sequence_parallel=True):
         """checkpoint_lvl: 0 keeps the activation's input and output for backward, 1 recomputes the
@@ -303,6 +385,7 @@ class FusedMLPFunc(torch.autograd.Function):
             raise ValueError(f"activation must be one of {ACTIVATIONS} (got {activation!r})")
         if checkpoint_lvl not in (0, 1, 2):
             raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 (got {checkpoint_lvl})")
+        _record_autocast(ctx)
         fwd_h, bwd_h, wgrad_h = _split_heuristic(heuristic, activation)
         if not save_pre_act:
             checkpoint_lvl = 2
@@ -311,22 +394,18 @@ class FusedMLPFunc(torch.autograd.Function):
             x = x.to(_autocast_dtype(x))
         x = x.contiguous()
         sequence_parallel = process_group is not None and sequence_parallel
-        handle_x = None
-        if sequence_parallel:
-            total_x, handle_x = all_gather_raw(x, process_group, async_op=True)
-        else:
-            total_x = x
+        total_x, handle_x = _gather_rows(x, process_group, sequence_parallel)
         if autocast:  # cast while the gather is in flight
             weight1, bias1, weight2, bias2 = _cast(x.dtype, weight1, bias1, weight2, bias2)
         weight1, weight2 = weight1.contiguous(), weight2.contiguous()
         if handle_x is not None:
             handle_x.wait()
-        batch_shape, in_features = total_x.shape[:-1], total_x.shape[-1]
+        batch_shape = total_x.shape[:-1]
         batch_dim = batch_shape.numel()
         # ReLU's unfused backward reads output1; only its fused backward needs the bit-mask.
         need_act_input = activation != "relu" or bwd_h >= 0
-        output1, act_input = _act_forward(total_x.reshape(batch_dim, in_features), weight1, bias1, activation,
-                                          fwd_h, need_act_input and checkpoint_lvl < 2)
+        output1, act_input = _act_forward(_as_rows(total_x, batch_dim), weight1, bias1, activation, fwd_h,
+                                          need_act_input and checkpoint_lvl < 2)
         output2 = F.linear(output1, weight2, bias2)
         if checkpoint_lvl == 0 or (checkpoint_lvl == 1 and activation == "relu"):
             ctx.save_for_backward(x, weight1, weight2, act_input, output1)  # ReLU: output1 cannot be recomputed
@@ -334,26 +413,23 @@ class FusedMLPFunc(torch.autograd.Function):
             ctx.save_for_backward(x, weight1, weight2, act_input)
         else:
             ctx.save_for_backward(x, weight1, weight2, bias1)
-        ctx.activation, ctx.checkpoint_lvl, ctx.heuristic = activation, checkpoint_lvl, (fwd_h, bwd_h, wgrad_h)
+        ctx.fused_wgrad1, ctx.fused_wgrad2 = (
+            _wgrad_fusable(x, batch_dim, weight1.shape[::-1], weight2.shape[::-1]) if wgrad_h >= 0
+            else (False, False))
+        ctx.activation, ctx.checkpoint_lvl, ctx.heuristic = activation, checkpoint_lvl, (fwd_h, bwd_h)
         ctx.need_act_input, ctx.return_residual = need_act_input, return_residual
         ctx.process_group, ctx.sequence_parallel = process_group, sequence_parallel
-        output2 = output2.reshape(*batch_shape, output2.shape[-1])
+        output2 = _as_batch(output2, batch_shape)
         return output2 if not return_residual else (output2, x)
 
     @staticmethod
-    @custom_bwd(device_type="cuda")
+    @_backward_under_forward_autocast
     def backward(ctx, grad_output, *args):
         grad_output = grad_output.contiguous()
-        activation, (fwd_h, bwd_h, wgrad_h) = ctx.activation, ctx.heuristic
-        fused_wgrad = wgrad_h >= 0
+        activation, (fwd_h, bwd_h) = ctx.activation, ctx.heuristic
         process_group, sequence_parallel = ctx.process_group, ctx.sequence_parallel
         x, weight1, weight2, *rest = ctx.saved_tensors
-        handle_x = None
-        if sequence_parallel:
-            total_x, handle_x = all_gather_raw(x, process_group, async_op=True)
-        else:
-            total_x = x
-        in_features = x.shape[-1]
+        total_x, handle_x = _gather_rows(x, process_group, sequence_parallel)
         batch_shape = grad_output.shape[:-1]
         batch_dim = batch_shape.numel()
         if ctx.checkpoint_lvl == 0 or (ctx.checkpoint_lvl == 1 and activation == "relu"):
@@ -366,154 +442,18 @@ class FusedMLPFunc(torch.autograd.Function):
             if handle_x is not None:
                 handle_x.wait()
                 handle_x = None
-            output1, act_input = _act_forward(total_x.reshape(batch_dim, in_features), weight1, bias1, activation,
-                                              fwd_h, ctx.need_act_input)
-        grad_output = grad_output.reshape(batch_dim, grad_output.shape[-1])
-        grad_weight2 = grad_bias2 = None
-        if ctx.needs_input_grad[3]:
-            grad_weight2, grad_bias2 = _wgrad(output1, grad_output, ctx.needs_input_grad[4], fused_wgrad)
-        elif ctx.needs_input_grad[4]:
-            grad_bias2 = grad_output.sum(0)
+            output1, act_input = _act_forward(_as_rows(total_x, batch_dim), weight1, bias1, activation, fwd_h,
+                                              ctx.need_act_input)
+        grad_output = _as_rows(grad_output, batch_dim)
+        grad_weight2, grad_bias2 = _weight_grads(output1, grad_output, ctx.needs_input_grad[3],
+                                                 ctx.needs_input_grad[4], ctx.fused_wgrad2)
         grad_pre_act = _act_backward(grad_output, weight2, act_input, output1, activation, bwd_h)
         del output1, act_input
-        grad_input = handle_grad_input = None
-        if ctx.needs_input_grad[0]:
-            if ctx.return_residual and process_group is None:
-                residual_grad = args[0].reshape(batch_dim, in_features).to(grad_pre_act.dtype)
-                grad_input = torch.addmm(residual_grad, grad_pre_act, weight1)
-            else:
-                grad_input = grad_pre_act.mm(weight1)
-            grad_input = grad_input.reshape(*batch_shape, in_features)
-            if process_group is not None:
-                reduce_fn = reduce_scatter_raw if sequence_parallel else all_reduce_raw
-                grad_input, handle_grad_input = reduce_fn(grad_input, process_group, async_op=True)
-        grad_weight1 = grad_bias1 = None
-        if ctx.needs_input_grad[1]:
-            if handle_x is not None:
-                handle_x.wait()
-                handle_x = None
-            # bias1's gradient from the same GEMM (BGRADB epilogue), or mm + sum.
-            grad_weight1, grad_bias1 = _wgrad(total_x.reshape(batch_dim, in_features), grad_pre_act,
-                                              ctx.needs_input_grad[2], fused_wgrad)
-        elif ctx.needs_input_grad[2]:
-            grad_bias1 = grad_pre_act.sum(0)
-        if handle_x is not None:
-            handle_x.wait()
-        if handle_grad_input is not None:
-            handle_grad_input.wait()
-            if ctx.return_residual:
-                grad_input = grad_input + args[0]
+        # bias1's gradient comes with weight1's (the BGRADB epilogue), from grad_pre_act.
+        grad_input, grad_weight1, grad_bias1 = _linear_grads(
+            grad_pre_act, weight1, total_x, handle_x, ctx.needs_input_grad[:3], ctx.fused_wgrad1,
+            args[0] if ctx.return_residual else None, process_group, sequence_parallel, batch_shape)
         return (grad_input, grad_weight1, grad_bias1, grad_weight2, grad_bias2) + (None,) * 7
-
-
-# ---------------------------------------------------------------------------------------------
-# heuristic="auto": measured once per problem, cached
-
-_AUTO_PLANS = {}  # (batch_dim, in, hidden, out, dtype, device, activation, has_bias1, has_bias2, training)
-#                   -> (fwd, bwd, wgrad) as _split_heuristic takes it
-_TIE_MARGIN = 1.01  # a candidate must beat the default by more than timing noise to be chosen
-
-
-_L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (H100/H200: 50-60 MB), as triton's do_bench flushes
-
-
-def _measure_ms(fn, warmup=2, reps=5):
-    """Median milliseconds of fn() on the current CUDA stream."""
-    return _time_candidates({0: fn}, warmup=warmup, rounds=reps)[0]
-
-
-def _time_candidates(fns, warmup=2, rounds=7):
-    """{key: median milliseconds of fn()} for fns {key: fn}, on the current CUDA stream. Measured in
-    interleaved rounds (one call of each candidate per round), so that clock changes during the
-    search touch every candidate alike rather than favouring the ones timed last; the L2 cache is
-    flushed before each call, since the operands of a layer come from memory, not from the L2."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    events = {key: [] for key in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events[key].append((start, end))
-    torch.cuda.synchronize()
-    medians = {}
-    for key, pairs in events.items():
-        times = sorted(start.elapsed_time(end) for start, end in pairs)
-        medians[key] = times[len(times) // 2]
-    return medians
-
-
-def _fastest(times, default=-1):
-    best = min(times, key=times.get)
-    return default if times[default] <= times[best] * _TIE_MARGIN else best
-
-
-def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activation, has_bias1, has_bias2,
-              training):
-    """Time on random data of this shape, once: the forward GEMM + activation of every candidate;
-    in training also the two weight gradients (BGRADB GEMM or mm + sum), then the activation's
-    gradient with the first GEMM's weight gradient of every candidate. Ties go to what
-    heuristic=-1 runs (unfused, BGRADB weight gradients)."""
-    ext, is_gelu = _ext(), activation == "gelu_approx"
-    device_ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with device_ctx, torch.no_grad(), torch.autocast(device.type, enabled=False):
-        x = torch.randn(batch_dim, in_features, device=device, dtype=dtype)
-        w1 = torch.randn(hidden, in_features, device=device, dtype=dtype) * in_features ** -0.5
-        b1 = torch.randn(hidden, device=device, dtype=dtype) if has_bias1 else None
-        n_fwd = min(ext.linear_act_forward_num_algos(x, w1, b1, is_gelu, training), ext.max_heuristic_algos)
-        fwd_times = _time_candidates({h: functools.partial(_act_forward, x, w1, b1, activation, h, training)
-                                      for h in range(-1, n_fwd)})
-        fwd = _fastest(fwd_times)
-        if not training:
-            return fwd, -1, 0
-        w2 = torch.randn(out_features, hidden, device=device, dtype=dtype) * hidden ** -0.5
-        grad = torch.randn(batch_dim, out_features, device=device, dtype=dtype)
-        grad_pre_act = torch.randn(batch_dim, hidden, device=device, dtype=dtype)
-        output1, pre_act = _act_forward(x, w1, b1, activation, -1, True)
-        fused_act_input = pre_act if is_gelu else ext.linear_act_forward(x, w1, b1, False, True, 0)[1]
-
-        def wgrads(mode):
-            _wgrad(output1, grad, has_bias2, mode >= 0)
-            _wgrad(x, grad_pre_act, has_bias1, mode >= 0)
-
-        wgrad = _fastest(_time_candidates({mode: functools.partial(wgrads, mode) for mode in (-1, 0)}), default=0)
-
-        def backward(h):
-            grad_pre_act = _act_backward(grad, w2, fused_act_input if h >= 0 else pre_act, output1, activation, h)
-            _wgrad(x, grad_pre_act, has_bias1, wgrad >= 0)
-
-        n_bwd = min(ext.act_linear_dgrad_num_algos(w2, grad, fused_act_input, is_gelu), ext.max_heuristic_algos)
-        bwd_times = _time_candidates({h: functools.partial(backward, h) for h in range(-1, n_bwd)})
-        bwd = _fastest(bwd_times)
-    if activation == "relu" and fwd < 0 <= bwd:
-        # The fused ReLU backward needs the fused forward's bit-mask: compare the two pairings.
-        fused_fwd = min((h for h in fwd_times if h >= 0), key=fwd_times.get)
-        if fwd_times[fused_fwd] + bwd_times[bwd] < (fwd_times[-1] + bwd_times[-1]) / _TIE_MARGIN:
-            fwd = fused_fwd
-        else:
-            bwd = -1
-    return fwd, bwd, wgrad
-
-
-def _auto_heuristic(x, weight1, weight2, bias1, bias2, activation, save_pre_act, process_group,
-                    sequence_parallel):
-    if activation == "sqrelu":
-        return -1
-    if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return -1  # no timing while tracing or capturing a graph
-    batch_dim = x.numel() // x.shape[-1]
-    if process_group is not None and sequence_parallel:
-        batch_dim *= torch.distributed.get_world_size(process_group)
-    key = (batch_dim, x.shape[-1], weight1.shape[0], weight2.shape[0], _autocast_dtype(x), x.device, activation,
-           bias1 is not None, bias2 is not None, bool(save_pre_act))
-    if key not in _AUTO_PLANS:
-        _AUTO_PLANS[key] = _tune_mlp(*key)
-    return _AUTO_PLANS[key]
 
 
 def _mlp_eligible(x, weight1, weight2, bias1, bias2, activation):
@@ -538,8 +478,9 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
         raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 (got {checkpoint_lvl})")
     if _mlp_eligible(x, weight1, weight2, bias1, bias2, activation):
         if heuristic == "auto":
-            heuristic = _auto_heuristic(x, weight1, weight2, bias1, bias2, activation, save_pre_act,
-                                        process_group, sequence_parallel)
+            heuristic = fused_dense_autotune.plan_for(x, weight1, weight2, bias1, bias2, _autocast_dtype(x),
+                                                      activation, save_pre_act, process_group,
+                                                      sequence_parallel)
     elif process_group is not None:
         heuristic = -1  # the same Functions on PyTorch ops, for their communication
     else:

@@ -1,4 +1,6 @@
-"""The plain-PyTorch attention that every kernel test and benchmark checks against.
+"""The plain-PyTorch attention that every kernel test and benchmark checks against, and that
+the reference modules (flash_attn.modules.inner_attention.SelfAttention / CrossAttention) compute
+with: one oracle for both.
 
 Layout follows the kernels: q (b, s_q, h, d), k/v (b, s_k, h_k, d). Positions: query i of a
 sequence with sq valid queries and sk valid keys lines up with key i + sk - sq (bottom-right
@@ -74,6 +76,28 @@ def construct_local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), query_padding
     return masked
 
 
+def construct_chunk_mask(seqlen_q, seqlen_k, attention_chunk, query_padding_mask=None,
+                         key_padding_mask=None, key_leftpad=None, device=None):
+    """Bool (b or 1, 1, s_q, s_k), True = masked out, for chunked attention: the keys are cut into
+    chunks of attention_chunk positions, [0, c), [c, 2c), ..., and query i sees only the chunk
+    that holds its aligned key position i + sk - sq (bottom-right alignment, as in
+    construct_local_mask; a query aligned before key 0 falls in a chunk of negative positions and
+    sees nothing). Keys before key_leftpad are masked and positions count from key_leftpad;
+    padded keys themselves are left to key_padding_mask, as in construct_local_mask."""
+    if isinstance(attention_chunk, bool) or not hasattr(attention_chunk, "__index__") or (
+            attention_chunk <= 0):
+        raise ValueError(f"attention_chunk: expected a positive int, got {attention_chunk!r}")
+    row, col, sq, sk, before_leftpad = _geometry(
+        seqlen_q, seqlen_k, query_padding_mask, key_padding_mask, key_leftpad, device)
+    diag = row + sk - sq
+    # Floor division, so aligned positions below 0 land in chunk -1, -2, ... (no key there).
+    chunk_start = torch.div(diag, attention_chunk, rounding_mode="floor") * attention_chunk
+    masked = (col < chunk_start) | (col >= chunk_start + attention_chunk)
+    if before_leftpad is not None:
+        masked = masked | before_leftpad
+    return masked
+
+
 def attn_bias_from_alibi_slopes(slopes, seqlen_q, seqlen_k, query_padding_mask=None,
                                 key_padding_mask=None, causal=False, key_leftpad=None):
     """float32 (b or 1, h, s_q, s_k) bias -slope * |i + sk - sq - j|.
@@ -93,7 +117,7 @@ def attn_bias_from_alibi_slopes(slopes, seqlen_q, seqlen_k, query_padding_mask=N
 def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, attn_bias=None,
                   dropout_p=0.0, dropout_mask=None, causal=False, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, upcast=True, reorder_ops=False,
-                  key_leftpad=None, softmax_scale=None):
+                  key_leftpad=None, softmax_scale=None, attention_chunk=0):
     """Reference attention. Returns (output (b, s_q, h, d), attention (b, h, s_q, s_k)), both in
     q's dtype; attention is the softmax after masking and before dropout.
 
@@ -103,7 +127,8 @@ def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, attn_
     instead of q, another op order with the same math. Masked-out keys get probability 0; a row
     with no valid key gets attention 0 and output 0 (no NaN, also in the gradients).
     dropout_mask: bool (b, h, s_q, s_k), True = kept; the kept probabilities are scaled by
-    1 / (1 - dropout_p)."""
+    1 / (1 - dropout_p). attention_chunk > 0 also restricts each query to its chunk of keys
+    (construct_chunk_mask)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if nheads % nheads_k != 0:
@@ -140,6 +165,10 @@ def attention_ref(q, k, v, query_padding_mask=None, key_padding_mask=None, attn_
         local = construct_local_mask(seqlen_q, seqlen_k, window_size, query_padding_mask,
                                      key_padding_mask, q.device, key_leftpad)
         masked = local if masked is None else masked | local
+    if attention_chunk > 0:
+        chunk = construct_chunk_mask(seqlen_q, seqlen_k, attention_chunk, query_padding_mask,
+                                     key_padding_mask, key_leftpad, q.device)
+        masked = chunk if masked is None else masked | chunk
     if masked is not None:
         scores = scores.masked_fill(masked, float("-inf"))
     # Rows with nothing to attend to: softmax would give NaN (and NaN gradients), so give them

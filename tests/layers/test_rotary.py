@@ -1,5 +1,6 @@
 """flash_attn.layers.rotary: autograd functions, packed in-place forms and RotaryEmbedding against
-plain-PyTorch references (outputs and gradients)."""
+the plain-PyTorch apply_rotary_emb_torch (outputs and gradients), which is itself checked against
+complex multiplication."""
 
 import pytest
 import torch
@@ -12,7 +13,6 @@ from flash_attn.layers.rotary import (
     apply_rotary_emb_qkv_,
     apply_rotary_emb_torch,
 )
-from flash_attn.ops.triton.rotary import apply_rotary_ref
 from flash_attn.utils.testing import rotary_tables, triton_interpreter_slack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,22 +50,76 @@ def test_apply_rotary_emb_forward_backward(dtype, interleaved, rotary_dim, inpla
     refs = []
     for prec in (torch.float32, dtype):
         xr = x.detach().to(prec).requires_grad_()
-        ref = apply_rotary_ref(xr, cos.to(prec), sin.to(prec), seqlen_offsets=offsets,
-                               interleaved=interleaved)
+        ref = apply_rotary_emb_torch(xr, cos.to(prec), sin.to(prec), interleaved,
+                                     seqlen_offsets=offsets)
         ref.backward(g.to(prec))
         refs.append((ref.detach(), xr.grad))
     _assert_close_to_ref(out.detach(), refs[0][0], refs[1][0])
     _assert_close_to_ref(x.grad, refs[0][1], refs[1][1])
 
 
+def _rotate_complex(x, angle, interleaved):
+    """x (..., d) turned pair by pair by angle (..., r / 2) as complex multiplication by
+    exp(i * angle); features past r pass through."""
+    rotary_dim = 2 * angle.shape[-1]
+    xr = x[..., :rotary_dim].double()
+    if interleaved:
+        re, im = xr[..., 0::2], xr[..., 1::2]
+    else:
+        re, im = xr.chunk(2, dim=-1)
+    z = torch.complex(re, im) * torch.polar(torch.ones_like(angle), angle)
+    rotated = (torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved
+               else torch.cat((z.real, z.imag), -1))
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_reference_functions_agree(interleaved):
-    # apply_rotary_emb_torch (flash-attn's reference) and apply_rotary_ref (with offsets/varlen).
+@pytest.mark.parametrize("conjugate", [False, True])
+def test_torch_reference_matches_complex_multiplication(interleaved, conjugate):
+    """apply_rotary_emb_torch, independently: int and per-sequence offsets, varlen, positions
+    past the table (turned by 0), conjugate (minus the angle)."""
+    torch.manual_seed(0)
+    sign = -1.0 if conjugate else 1.0
+    angle = torch.rand(9, 6, dtype=torch.float64) * 6.28  # table of 9 positions, rotary_dim 12
+    cos, sin = angle.cos(), angle.sin()
+    # past the table: angle 0
+    angle_at = lambda pos: torch.where((pos < 9)[..., None], angle[pos.clamp(max=8)], 0.0)  # noqa: E731
+    x = torch.randn(2, 7, 3, 16, dtype=torch.float64)
+    for offsets in (0, 4, torch.tensor([5, 1])):
+        pos = torch.arange(7) + (offsets.view(-1, 1) if isinstance(offsets, torch.Tensor) else offsets)
+        expected = _rotate_complex(x, sign * angle_at(pos.expand(2, 7))[:, :, None], interleaved)
+        torch.testing.assert_close(apply_rotary_emb_torch(x, cos, sin, interleaved,
+                                                          seqlen_offsets=offsets,
+                                                          conjugate=conjugate), expected)
+    cu_seqlens = torch.tensor([0, 3, 10, 11], dtype=torch.int32)
+    packed = torch.randn(11, 2, 16, dtype=torch.float64)
+    offsets = torch.tensor([0, 1, 6])
+    pos = torch.cat([torch.arange(n) + o for n, o in zip((3, 7, 1), offsets.tolist())])
+    expected = _rotate_complex(packed, sign * angle_at(pos)[:, None], interleaved)
+    torch.testing.assert_close(apply_rotary_emb_torch(packed, cos, sin, interleaved,
+                                                      seqlen_offsets=offsets,
+                                                      cu_seqlens=cu_seqlens,
+                                                      conjugate=conjugate), expected)
+    # One table per sequence, (batch, seqlen, rotary_dim / 2), as flash-attn's reference takes it.
+    per_seq = torch.rand(2, 7, 6, dtype=torch.float64)
+    torch.testing.assert_close(apply_rotary_emb_torch(x, per_seq.cos(), per_seq.sin(), interleaved,
+                                                      conjugate=conjugate),
+                               _rotate_complex(x, sign * per_seq[:, :, None], interleaved))
+
+
+def test_torch_reference_rejects_bad_tables():
+    x = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="cos"):
+        apply_rotary_emb_torch(x, torch.ones(4, 5), torch.zeros(4, 5))  # rotary_dim 10 > 8
+    with pytest.raises(ValueError, match="cos"):
+        apply_rotary_emb_torch(x, torch.ones(1, 4, 2), torch.zeros(1, 4, 2), seqlen_offsets=1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_kernel_matches_torch_reference(interleaved):
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 16, device=DEVICE)
     cos, sin = rotary_tables(7, 12, DEVICE)
-    torch.testing.assert_close(apply_rotary_emb_torch(x, cos, sin, interleaved),
-                               apply_rotary_ref(x, cos, sin, interleaved=interleaved))
     torch.testing.assert_close(apply_rotary_emb(x, cos, sin, interleaved),
                                apply_rotary_emb_torch(x, cos, sin, interleaved))
 
@@ -80,7 +134,7 @@ def test_apply_rotary_emb_varlen_backward():
     apply_rotary_emb(x, cos, sin, seqlen_offsets=offsets, cu_seqlens=cu_seqlens,
                      max_seqlen=7).backward(g)
     xr = x.detach().clone().requires_grad_()
-    apply_rotary_ref(xr, cos, sin, seqlen_offsets=offsets, cu_seqlens=cu_seqlens).backward(g)
+    apply_rotary_emb_torch(xr, cos, sin, seqlen_offsets=offsets, cu_seqlens=cu_seqlens).backward(g)
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
 
 
@@ -91,9 +145,9 @@ def _qkv_reference(qkv, cos, sin, cos_k, sin_k, interleaved, offsets, num_heads_
     else:
         h_k = (qkv.shape[2] - num_heads_q) // 2
         q, k, v = qkv.split([num_heads_q, h_k, h_k], dim=2)
-    q = apply_rotary_ref(q, cos, sin, seqlen_offsets=offsets, interleaved=interleaved)
-    k = apply_rotary_ref(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k,
-                         seqlen_offsets=offsets, interleaved=interleaved)
+    q = apply_rotary_emb_torch(q, cos, sin, interleaved, seqlen_offsets=offsets)
+    k = apply_rotary_emb_torch(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k,
+                               interleaved, seqlen_offsets=offsets)
     return torch.stack((q, k, v), dim=2) if qkv.dim() == 5 else torch.cat((q, k, v), dim=2)
 
 
@@ -149,8 +203,8 @@ def test_apply_rotary_emb_kv_(interleaved):
 
     base_ref = base.detach().clone().requires_grad_()
     k, v = base_ref.unbind(2)
-    ref = torch.stack((apply_rotary_ref(k, cos, sin, seqlen_offsets=offsets,
-                                        interleaved=interleaved), v), dim=2)
+    ref = torch.stack((apply_rotary_emb_torch(k, cos, sin, interleaved, seqlen_offsets=offsets),
+                       v), dim=2)
     ref.backward(g)
     torch.testing.assert_close(kv.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(base.grad, base_ref.grad, rtol=1e-5, atol=1e-5)
@@ -253,6 +307,31 @@ def test_rotary_embedding_xpos():
     torch.testing.assert_close(q_kv[1][:, :, 0], out[:, :, 1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["packed", "gqa", "q_kv"])
+@pytest.mark.parametrize("scale_base", [None, 64])
+def test_rotary_embedding_torch_path_matches_kernel(layout, scale_base, monkeypatch):
+    """CPU tensors without the Triton interpreter: the same rotation in PyTorch, in place."""
+    torch.manual_seed(0)
+    b, s, d = 2, 6, 16
+    inputs = {"packed": (torch.randn(b, s, 3, 2, d),), "gqa": (torch.randn(b, s, 4 + 2, d),),
+              "q_kv": (torch.randn(b, s, 4, d), torch.randn(b, s, 2, 1, d))}[layout]
+    num_heads_q = 4 if layout == "gqa" else None
+
+    def rotate(device):
+        rot = RotaryEmbedding(12, scale_base=scale_base, device=device)
+        tensors = [t.to(device) for t in inputs]
+        out = rot(*tensors, seqlen_offset=torch.tensor([0, 3], device=device), max_seqlen=s + 3,
+                  num_heads_q=num_heads_q)
+        out = out if isinstance(out, tuple) else (out,)
+        assert all(o.data_ptr() == t.data_ptr() for o, t in zip(out, tensors))  # in place
+        return [o.cpu() for o in out]
+
+    kernel = rotate(DEVICE)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for got, want in zip(rotate("cpu"), kernel):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_pos_idx_in_fp32():
     # In a pure-bf16 model inv_freq is bf16; bf16 positions collide above 256 (257 -> 256).
     qkv = torch.randn(1, 300, 3, 1, 8, device=DEVICE, dtype=torch.bfloat16)
@@ -311,12 +390,12 @@ def _rotary_forward(entry, cos, sin, rotary_module):
 
 
 def _rotary_forward_ref(entry, cos, sin):
-    """The same function out of place in plain PyTorch (apply_rotary_ref)."""
+    """The same function out of place in plain PyTorch (apply_rotary_emb_torch)."""
     heads, rotated = _ENTRY_HEADS[entry]
 
     def forward(x, weight, offsets):
         proj = torch.nn.functional.linear(x, weight).view(_B, _S, heads, _D)
-        rot = apply_rotary_ref(proj[:, :, :rotated], cos, sin, seqlen_offsets=offsets)
+        rot = apply_rotary_emb_torch(proj[:, :, :rotated], cos, sin, seqlen_offsets=offsets)
         return torch.cat((rot, proj[:, :, rotated:]), dim=2)
 
     return forward

@@ -3,8 +3,10 @@ import math
 import pytest
 import torch
 
-from flash_attn.modules.mha import MHA, attention_reference, get_alibi_slopes
+from flash_attn.modules.inner_attention import CrossAttention, SelfAttention
+from flash_attn.modules.mha import MHA, get_alibi_slopes
 from flash_attn.utils.generation import InferenceParams
+from flash_attn.utils.testing import attention_ref
 
 
 def _copy_weights(dst, src):
@@ -13,7 +15,7 @@ def _copy_weights(dst, src):
 
 
 # ----------------------------------------------------------------------------------------------
-# The PyTorch reference against utils.testing.attention_ref (written independently).
+# The reference modules: padding masks against unpadded samples, one at a time.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -21,20 +23,91 @@ def _copy_weights(dst, src):
 @pytest.mark.parametrize("window_size", [(-1, -1), (3, 2)])
 @pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize("seqlens", [(7, 7), (5, 9), (9, 5)])
-def test_attention_reference_matches_testing_ref(causal, window_size, alibi, seqlens):
-    from flash_attn.utils.testing import attention_ref
-
+def test_cross_attention_key_padding_matches_unpadded_samples(causal, window_size, alibi, seqlens):
+    """Padded keys: each sample attends as if its keys were cut to their real length, so the
+    causal / window diagonal of query i sits at key i + len_k - s_q."""
     torch.manual_seed(0)
     seqlen_q, seqlen_k = seqlens
     q = torch.randn(2, seqlen_q, 4, 8)
-    k, v = torch.randn(2, 2, seqlen_k, 2, 8).unbind(0)  # GQA: 4 query heads on 2 kv heads
-    key_padding_mask = torch.arange(seqlen_k).unsqueeze(0) < torch.tensor([[seqlen_k], [seqlen_k - 2]])
+    kv = torch.randn(2, seqlen_k, 2, 2, 8)  # GQA: 4 query heads on 2 kv heads
+    lengths = [seqlen_k, seqlen_k - 2]
+    key_padding_mask = torch.arange(seqlen_k).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
     slopes = torch.tensor(get_alibi_slopes(4)) if alibi else None
-    out = attention_reference(q, k, v, causal=causal, window_size=window_size,
-                              key_padding_mask=key_padding_mask, alibi_slopes=slopes)
-    ref, _ = attention_ref(q, k, v, key_padding_mask=key_padding_mask, causal=causal,
-                           window_size=window_size, alibi_slopes=slopes)
-    assert (out - ref).abs().max().item() < 1e-5
+    attn = CrossAttention(causal=causal, window_size=window_size, alibi_slopes=slopes)
+    out = attn(q, kv, key_padding_mask=key_padding_mask)
+    for b, length in enumerate(lengths):
+        k, v = kv[b:b + 1, :length].unbind(dim=2)
+        expected, _ = attention_ref(q[b:b + 1], k, v, causal=causal, window_size=window_size,
+                                    alibi_slopes=slopes)
+        assert (out[b:b + 1] - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_shared_padding_matches_unpadded_samples(causal):
+    """Queries and keys share the padding: the diagonal stays at key i; padded queries give 0."""
+    torch.manual_seed(0)
+    qkv = torch.randn(3, 7, 3, 2, 8)
+    lengths = [7, 4, 1]
+    mask = torch.arange(7).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    out = SelfAttention(causal=causal)(qkv, key_padding_mask=mask)
+    for b, length in enumerate(lengths):
+        q, k, v = qkv[b:b + 1, :length].unbind(dim=2)
+        expected, _ = attention_ref(q, k, v, causal=causal)
+        assert (out[b:b + 1, :length] - expected).abs().max().item() < 1e-5
+    assert torch.equal(out[~mask], torch.zeros_like(out[~mask]))
+
+
+def test_reference_dropout_keeps_or_scales_probabilities():
+    """In training the reference drops attention probabilities: with v = 1 every output is the
+    sum of the kept probabilities times 1 / (1 - p), which varies; in eval it is exactly 1."""
+    torch.manual_seed(0)
+    attn = SelfAttention(attention_dropout=0.5)
+    qkv = torch.randn(2, 16, 3, 2, 4)
+    qkv[:, :, 2] = 1.0
+    out = attn(qkv)
+    assert out.std().item() > 0.1
+    assert torch.allclose(attn.eval()(qkv), torch.ones_like(out))
+
+
+def test_import_optional_hides_only_missing_modules(tmp_path, monkeypatch):
+    from flash_attn.modules.mha import import_optional
+    from flash_attn.ops.fused_dense import FusedDense
+
+    assert import_optional("flash_attn.ops.fused_dense", "FusedDense") is FusedDense
+    assert import_optional("flash_attn.no_such_module", "x") is None
+    assert import_optional("no_such_package_for_flash_attn", "x") is None
+    with pytest.raises(AttributeError):
+        import_optional("flash_attn.ops.fused_dense", "NoSuchName")
+    # A module that fails inside, or imports a flash_attn module that is not there: a bug, raised.
+    (tmp_path / "fa_test_broken_inside.py").write_text("raise RuntimeError('broken inside')\n")
+    (tmp_path / "fa_test_bad_import.py").write_text("import flash_attn.no_such_module\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match="broken inside"):
+        import_optional("fa_test_broken_inside", "x")
+    with pytest.raises(ModuleNotFoundError, match="flash_attn.no_such_module"):
+        import_optional("fa_test_bad_import", "x")
+
+
+def test_modules_import_and_run_without_cuda_extensions():
+    """The extensions load at first call, so the modules import and run their PyTorch paths
+    without them (a fresh interpreter where importing any of them fails)."""
+    import subprocess
+    import sys
+
+    script = "\n".join([
+        "import sys",
+        "for name in ('flash_attn_2_cuda', 'fused_dense_lib', 'dropout_layer_norm'):",
+        "    sys.modules[name] = None  # import raises ImportError",
+        "import torch",
+        "from flash_attn.modules.mha import MHA",
+        "import flash_attn.modules.block, flash_attn.modules.mlp",
+        "mha = MHA(16, 2, fused_bias_fc=True, rotary_emb_dim=4, causal=True)",
+        "print(tuple(mha(torch.randn(1, 5, 16)).shape))",
+    ])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "(1, 5, 16)"
 
 
 def test_get_alibi_slopes():
@@ -136,8 +209,14 @@ def _rotate_explicit(x, positions, rotary_dim, interleaved, base=10000.0):
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [8, 4])
 @pytest.mark.parametrize("heads_kv", [4, 2])
-def test_mha_rotary_matches_explicit_rotation(interleaved, rotary_dim, heads_kv):
-    """Forward and gradients (the rotary kernel works in place on views of Wqkv's output)."""
+@pytest.mark.parametrize("rotary_path", ["default", "torch"])
+def test_mha_rotary_matches_explicit_rotation(interleaved, rotary_dim, heads_kv, rotary_path,
+                                              monkeypatch):
+    """Forward and gradients (the rotation works in place on views of Wqkv's output). "default":
+    the Triton kernel where it runs (the interpreter on CPU CI); "torch": the PyTorch rotation
+    RotaryEmbedding falls back to for CPU tensors without the interpreter."""
+    if rotary_path == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
     torch.manual_seed(0)
     mha = MHA(32, 4, num_heads_kv=heads_kv, causal=True, rotary_emb_dim=rotary_dim,
               rotary_emb_interleaved=interleaved)
@@ -147,7 +226,7 @@ def test_mha_rotary_matches_explicit_rotation(interleaved, rotary_dim, heads_kv)
     positions = torch.arange(7)
     q = _rotate_explicit(q, positions, rotary_dim, interleaved)
     k = _rotate_explicit(k, positions, rotary_dim, interleaved)
-    expected = mha.out_proj(attention_reference(q, k, v, causal=True).flatten(-2))
+    expected = mha.out_proj(attention_ref(q, k, v, causal=True)[0].flatten(-2))
     grad = torch.randn_like(expected)
     (dx_expected,) = torch.autograd.grad(expected, x, grad)
     out = mha(x)
@@ -156,22 +235,27 @@ def test_mha_rotary_matches_explicit_rotation(interleaved, rotary_dim, heads_kv)
     assert (dx - dx_expected).abs().max().item() < 1e-5
 
 
-def test_torch_rotary_stand_in_matches_explicit_rotation():
-    """The PyTorch stand-in MHA uses for CPU tensors outside the Triton interpreter."""
-    from flash_attn.modules.mha import _TorchRotaryEmbedding
+def test_rotary_torch_path_matches_explicit_rotation(monkeypatch):
+    """The PyTorch rotation RotaryEmbedding (so MHA) uses for CPU tensors outside the Triton
+    interpreter: in place, as the kernel's."""
+    from flash_attn.layers.rotary import RotaryEmbedding
 
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     torch.manual_seed(0)
-    rotary = _TorchRotaryEmbedding(6)
+    rotary = RotaryEmbedding(6)
     qkv = torch.randn(2, 5, 3, 2, 8)
-    out = rotary(qkv, seqlen_offset=3)
+    out = rotary(qkv.clone(), seqlen_offset=3)
     for i in range(2):
         assert (out[:, :, i] - _rotate_explicit(qkv[:, :, i], torch.arange(3, 8), 6, False)).abs().max() < 1e-5
     assert torch.equal(out[:, :, 2], qkv[:, :, 2])
     offsets = torch.tensor([0, 4])
-    q, kv = rotary(qkv[:, :, 0], qkv[:, :, 1:], seqlen_offset=offsets)
+    q, kv = rotary(qkv[:, :, 0].clone(), qkv[:, :, 1:].clone(), seqlen_offset=offsets,
+                   max_seqlen=9)
     for b in range(2):
         positions = torch.arange(5) + offsets[b]
         assert (q[b:b + 1] - _rotate_explicit(qkv[b:b + 1, :, 0], positions, 6, False)).abs().max() < 1e-5
+        assert (kv[b:b + 1, :, 0] - _rotate_explicit(qkv[b:b + 1, :, 1], positions, 6, False)).abs().max() < 1e-5
+    assert torch.equal(kv[:, :, 1], qkv[:, :, 2])
 
 
 def _decode_all(mha, x, prefill, step, use_lengths_tensor):
@@ -191,10 +275,13 @@ def _decode_all(mha, x, prefill, step, use_lengths_tensor):
     return torch.cat(outs, dim=1)
 
 
-@pytest.mark.parametrize("rotary", [0, 8])
+@pytest.mark.parametrize("rotary,rotary_path", [(0, "default"), (8, "default"), (8, "torch")])
 @pytest.mark.parametrize("heads_kv", [4, 2])
 @pytest.mark.parametrize("use_lengths_tensor", [False, True])
-def test_mha_kv_cache_matches_full_forward(rotary, heads_kv, use_lengths_tensor):
+def test_mha_kv_cache_matches_full_forward(rotary, rotary_path, heads_kv, use_lengths_tensor,
+                                           monkeypatch):
+    if rotary_path == "torch":  # the PyTorch rotation, with per-sample offsets from the cache
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
     torch.manual_seed(0)
     mha = MHA(32, 4, num_heads_kv=heads_kv, causal=True, rotary_emb_dim=rotary, layer_idx=0).eval()
     x = torch.randn(2, 11, 32)

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flash_attn.ops.fused_dense as fd
+import flash_attn.ops.fused_dense_autotune as autotune
 from flash_attn.ops.activations import gelu_bwd, sqrelu_fwd
 from flash_attn.ops.fused_dense import FusedDense, FusedMLP, fused_dense_func, fused_mlp_func
 
@@ -208,7 +209,7 @@ def fake_ext(monkeypatch):
     monkeypatch.setattr(fd, "_ext", lambda: fake)
     monkeypatch.setattr(fd, "_on_one_cuda_device", lambda *ts: all(t.device.type == "cpu" for t in ts if t is not None))
     monkeypatch.setattr(fd, "_HALF_DTYPES", (torch.float64,))
-    monkeypatch.setattr(fd, "_AUTO_PLANS", {})
+    monkeypatch.setattr(autotune, "AUTO_PLANS", {})
     return fake
 
 
@@ -329,7 +330,7 @@ def test_fused_dense_func_paths(fake_ext, bias, return_residual, frozen_weight):
 
 
 def scripted_timer(tables, log):
-    """A stand-in for _time_candidates answering from tables {"fwd"|"wgrad"|"bwd": {candidate: ms}}."""
+    """A stand-in for autotune._time_candidates answering from tables {"fwd"|"wgrad"|"bwd": {candidate: ms}}."""
 
     def measure_one(fn):
         if fn.func is fd._act_forward:
@@ -360,12 +361,12 @@ def scripted_timer(tables, log):
 ])
 def test_auto_plan(fake_ext, monkeypatch, activation, tables, training, plan):
     log = []
-    monkeypatch.setattr(fd, "_time_candidates", scripted_timer(tables, log))
+    monkeypatch.setattr(autotune, "_time_candidates", scripted_timer(tables, log))
     torch.manual_seed(0)
     mlp = FusedMLP(16, 128, activation=activation, dtype=torch.float64).train(training)
     x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
     mlp(x).sum().backward()
-    assert fd._AUTO_PLANS == {(6, 16, 128, 16, torch.float64, x.device, activation, True, True, training): plan}
+    assert autotune.AUTO_PLANS == {(6, 16, 128, 16, torch.float64, x.device, activation, True, True, training): plan}
     expected = [("fwd", h) for h in (-1, 0, 1, 2)]
     if training:
         expected += [("wgrad", -1), ("wgrad", 0)] + [("bwd", h) for h in (-1, 0, 1)]
@@ -701,7 +702,7 @@ def test_fused_mlp_gpu_fallbacks_equal_plain_mlp(case):
 @pytest.mark.parametrize("activation", ["gelu_approx", "relu"])
 def test_auto_plan_gpu(monkeypatch, activation):
     ext = load_ext()
-    monkeypatch.setattr(fd, "_AUTO_PLANS", {})
+    monkeypatch.setattr(autotune, "AUTO_PLANS", {})
     torch.manual_seed(0)
     mlp = FusedMLP(512, 2048, activation=activation, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -709,8 +710,8 @@ def test_auto_plan_gpu(monkeypatch, activation):
     with torch.no_grad():
         mlp.eval()(x)  # eval mode saves no activation input: a problem of its own
     mlp.train()
-    assert sorted(key[-1] for key in fd._AUTO_PLANS) == [False, True]
-    for key, (fwd, bwd, wgrad) in fd._AUTO_PLANS.items():
+    assert sorted(key[-1] for key in autotune.AUTO_PLANS) == [False, True]
+    for key, (fwd, bwd, wgrad) in autotune.AUTO_PLANS.items():
         assert key[:4] == (2048, 512, 2048, 512)
         assert -1 <= fwd < ext.max_heuristic_algos and -1 <= bwd < ext.max_heuristic_algos and wgrad in (-1, 0)
         if activation == "relu" and fwd < 0:
@@ -721,7 +722,7 @@ def test_auto_plan_gpu(monkeypatch, activation):
     def no_second_tuning(*args):
         raise AssertionError("the plan should be cached")
 
-    monkeypatch.setattr(fd, "_tune_mlp", no_second_tuning)
+    monkeypatch.setattr(autotune, "_tune_mlp", no_second_tuning)
     mlp(x).sum().backward()
     with torch.no_grad():
         mlp.eval()(x)
@@ -730,6 +731,6 @@ def test_auto_plan_gpu(monkeypatch, activation):
 @pytest.mark.gpu
 def test_measure_ms_times_work():
     a = torch.randn(2048, 2048, device="cuda")
-    small = fd._measure_ms(lambda: a @ a)
-    large = fd._measure_ms(lambda: [a @ a for _ in range(8)])
+    small = autotune._measure_ms(lambda: a @ a)
+    large = autotune._measure_ms(lambda: [a @ a for _ in range(8)])
     assert 0 < small < large

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from flash_attn.utils.testing import (
     attention_ref,
     attn_bias_from_alibi_slopes,
+    construct_chunk_mask,
     construct_local_mask,
     dropout_mask_from_S_dmask,
     generate_qkv,
@@ -100,6 +101,54 @@ def test_construct_local_mask_uses_per_batch_lengths_and_leftpad():
     m = construct_local_mask(1, 4, (0, 0), None, kpm_lp, key_leftpad=leftpad)
     assert m[0, 0, 0].tolist() == [True, True, False, True]   # sk=3: sees position 2
     assert m[1, 0, 0].tolist() == [True, True, True, False]   # sk=2: position 1 = index 3
+
+
+def test_construct_chunk_mask_by_hand():
+    T, F_ = True, False
+    # s_q == s_k, chunks of 2: queries 0, 1 see keys 0, 1; queries 2, 3 see keys 2, 3.
+    m = construct_chunk_mask(4, 4, 2)
+    assert m.shape == (1, 1, 4, 4)
+    assert m[0, 0].tolist() == [[F_, F_, T, T], [F_, F_, T, T], [T, T, F_, F_], [T, T, F_, F_]]
+    # s_q < s_k: query i aligns with key i + 3 and sees that key's chunk.
+    assert construct_chunk_mask(2, 5, 2)[0, 0].tolist() == [
+        [T, T, F_, F_, T], [T, T, T, T, F_]]
+    # s_q > s_k: query 0 aligns with key -1, a chunk with no key: it sees nothing.
+    assert construct_chunk_mask(3, 2, 2)[0, 0].tolist() == [[T, T], [F_, F_], [F_, F_]]
+    # a chunk as long as the keys: nothing masked
+    assert not construct_chunk_mask(3, 4, 4).any()
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="attention_chunk"):
+            construct_chunk_mask(3, 4, bad)
+
+
+def test_construct_chunk_mask_uses_per_batch_lengths_and_leftpad():
+    qpm = torch.tensor([[True, True, True], [True, False, False]])
+    kpm = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    m = construct_chunk_mask(3, 5, 2, qpm, kpm)
+    assert m.shape == (2, 1, 3, 5)
+    # sample 0: sq=3, sk=5, query 0 aligns with key 2 -> chunk [2, 4)
+    assert m[0, 0, 0].tolist() == [True, True, False, False, True]
+    # sample 1: sq=1, sk=3, query 0 aligns with key 2 -> chunk [2, 4)
+    assert m[1, 0, 0].tolist() == [True, True, False, False, True]
+    # key_leftpad 2: keys 0, 1 masked, positions count from key 2; sk=3 so query 0 of 1 aligns
+    # with position 2, chunk [2, 4) = keys 4, 5.
+    m = construct_chunk_mask(1, 6, 2, None, torch.tensor([[False, False, True, True, True, False]]),
+                             key_leftpad=torch.tensor([2]))
+    assert m[0, 0, 0].tolist() == [True, True, True, True, False, False]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("chunk", [3, 4])
+def test_attention_chunk_equals_attention_within_each_chunk(causal, chunk):
+    """With s_q == s_k, chunked attention is plain attention run on each chunk on its own."""
+    q, k, v = _qkv(2, 10, 10, 4, 2, 8)
+    out, attn = attention_ref(q, k, v, causal=causal, attention_chunk=chunk)
+    for start in range(0, 10, chunk):
+        rows = slice(start, start + chunk)
+        expected, expected_attn = attention_ref(q[:, rows], k[:, rows], v[:, rows], causal=causal)
+        _close(out[:, rows], expected)
+        _close(attn[:, :, rows, rows], expected_attn)
+        assert attn[:, :, rows, :start].eq(0).all() and attn[:, :, rows, start + chunk:].eq(0).all()
 
 
 def test_alibi_bias_values():
