@@ -6,6 +6,7 @@ from flash_attn.utils.generation import (
     decode,
     modify_logit_for_repetition_penalty,
     modify_logits_for_min_p_filtering,
+    modify_logits_for_top_k_filtering,
     modify_logits_for_top_p_filtering,
     sample,
 )
@@ -97,3 +98,55 @@ def test_decode_prefills_once_then_steps_one_token():
 def test_cg_needs_a_gpu():
     with pytest.raises(ValueError, match="GPU"):
         decode(torch.tensor([[1, 2]]), _CountingModel(), max_length=4, cg=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The logit filters' edge cases.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_top_k_filter_edge_cases():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, -1.0]])
+    for top_k in (0, 5, 9):  # no cut: 0 (off), the vocabulary size or more
+        kept = logits.clone()
+        modify_logits_for_top_k_filtering(kept, top_k)
+        assert torch.equal(kept, logits)
+    kept = logits.clone()
+    assert modify_logits_for_top_k_filtering(kept, 1) is None  # in place
+    assert torch.isfinite(kept).tolist() == [[False, True, False, True, False]]  # a tie stays
+    kept = logits.clone()
+    modify_logits_for_top_k_filtering(kept, 3)
+    assert torch.isfinite(kept).tolist() == [[False, True, True, True, False]]
+    assert torch.equal(kept[torch.isfinite(kept)], logits[torch.isfinite(kept)])
+
+
+def test_filters_work_row_by_row_on_any_leading_shape():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7)
+    for modify, arg in ((modify_logits_for_top_k_filtering, 2),
+                        (modify_logits_for_top_p_filtering, 0.6)):
+        batched = logits.clone()
+        modify(batched, arg)
+        for i in range(2):
+            for j in range(3):
+                row = logits[i, j].clone().unsqueeze(0)
+                modify(row, arg)
+                assert torch.equal(batched[i, j], row[0])
+
+
+def test_top_p_filter_edge_cases():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    for top_p in (0.0, 1.0):  # off
+        kept = logits.clone()
+        modify_logits_for_top_p_filtering(kept, top_p)
+        assert torch.equal(kept, logits)
+    # Tokens already cut (-inf, e.g. by top-k) hold no mass and stay cut.
+    cut = torch.tensor([[0.5, 0.3, float("-inf"), float("-inf")]]).log_softmax(-1)
+    kept = cut.clone()
+    modify_logits_for_top_p_filtering(kept, 0.5)  # 0.625 alone reaches 0.5
+    assert torch.isfinite(kept).tolist() == [[True, False, False, False]]
+    kept = cut.clone()
+    modify_logits_for_top_p_filtering(kept, 0.9)
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    with pytest.raises(ValueError, match="top_p"):
+        sample(logits, top_k=0, top_p=1.5)
