@@ -1,16 +1,21 @@
-"""GPT-2 training step, tokens/s: our GPTLMHeadModel with every fused path that works on this
-machine vs HF transformers' GPT2LMHeadModel (attn_implementation="sdpa"), measured in one run.
+"""GPT-2 training step: our GPTLMHeadModel with every fused path that works on this machine vs HF
+transformers' GPT2LMHeadModel (attn_implementation="sdpa") eager and under torch.compile, measured
+in one run: tokens/s, model TFLOP/s, MFU and peak memory.
 
-Both: GPT-2 config (dropout 0.1), fp32 weights, bf16 autocast, seq 1024, torch.optim.AdamW
-(fused=True); GPT-2 small at batch 16, medium at batch 8. Ours pads the vocabulary to a multiple
-of 8 (50264, a flash-attn training option) and uses flash_attn's Triton cross-entropy when it
-works. Each fused piece is tried on a small input first (forward and backward under autocast);
-one that fails is switched off and the reason printed.
+All: the GPT-2 shapes of flash_attn.models.presets, dropout 0, fp32 weights, bf16 autocast, seq
+1024, torch.optim.AdamW(fused=True); GPT-2 small at batch 16, medium at batch 8. Ours pads the
+vocabulary to a multiple of 8 (50264, a flash-attn training option) and uses flash_attn's Triton
+cross-entropy when it works. Each fused piece is tried on a small input first (forward and
+backward under autocast); one that fails is switched off and the reason printed. FLOPs per token
+and MFU: flash_attn.models.presets.training_flops_per_token and training.metrics.peak_flops (the
+GPU's bf16 peak), the same figures training/train.py shows. The torch.compile peer's first steps
+(the compilation) are part of the warm-up, not the timing.
 
-    python benchmarks/benchmark_gpt.py [--smoke]
+    python benchmarks/benchmark_gpt.py [--smoke] [--no-compile]
 
---smoke: a tiny GPT-2 config, seq 32, on CPU, to check the script itself; "ours" then runs with
-every fused path off (they need CUDA). Both models are built from a config: nothing is downloaded.
+--smoke: a tiny config, seq 32, on CPU, to check the script itself; "ours" then runs with every
+fused path off (they need CUDA) and the compile peer compiles with the "eager" backend (dynamo's
+graph capture without Inductor's minutes of C++ builds). Nothing is downloaded.
 """
 
 import math
@@ -23,15 +28,17 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # training/ (MFU)
 from _common import environment, note_stand_in, parse_args, report, save_plot  # noqa: E402
 
 VOCAB = 50257
-# (name, GPT2Config sizes, batch); seqlen, warm-up and timed steps per model.
-GPU_RUN = dict(device="cuda", seqlen=1024, warmup=3, steps=10,
-               models=[("gpt2-small", dict(n_layer=12, n_embd=768, n_head=12), 16),
-                       ("gpt2-medium", dict(n_layer=24, n_embd=1024, n_head=16), 8)])
-SMOKE_RUN = dict(device="cpu", seqlen=32, warmup=1, steps=2,
-                 models=[("gpt2-tiny", dict(n_layer=2, n_embd=64, n_head=4), 2)])
+# (name, preset, overrides, batch); seqlen, warm-up and timed steps per model.
+GPU_RUN = dict(device="cuda", seqlen=1024, warmup=3, steps=10, compile_backend="inductor",
+               models=[("gpt2-small", "gpt2-small", {}, 16),
+                       ("gpt2-medium", "gpt2-medium", {}, 8)])
+SMOKE_RUN = dict(device="cpu", seqlen=32, warmup=1, steps=2, compile_backend="eager",
+                 models=[("gpt2-tiny", "gpt2-small", dict(n_layer=2, n_embd=64, n_head=4), 2)])
+IMPLEMENTATIONS = ("HF sdpa", "HF sdpa + compile", "ours")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,21 +124,31 @@ def available_paths():
 # ----------------------------------------------------------------------------------------------
 
 
-def _gpt2_config(sizes, seqlen):
-    from transformers import GPT2Config
+def _config(preset, overrides, seqlen, paths=None):
+    """The preset's GPT2Config (dropout 0); with paths, the fused flags that work here."""
+    from flash_attn.models.presets import gpt_config
 
-    return GPT2Config(n_positions=seqlen, vocab_size=VOCAB, **sizes)
+    config = gpt_config(preset, VOCAB, seqlen, fused=paths is not None, **overrides)
+    if paths is not None:
+        for flag in ("use_flash_attn", "fused_bias_fc", "fused_mlp", "fused_dropout_add_ln"):
+            setattr(config, flag, getattr(config, flag) and paths[flag][0])
+        config.residual_in_fp32 = config.fused_dropout_add_ln
+    return config
 
 
-def build_ours(sizes, paths, device, seqlen):
+def flops_per_token(preset, overrides, seqlen):
+    """Training FLOPs per token of the shape (counted on our model, built on the meta device)."""
+    from flash_attn.models.gpt import GPTLMHeadModel
+    from flash_attn.models.presets import training_flops_per_token
+
+    model = GPTLMHeadModel(_config(preset, overrides, seqlen), device="meta")
+    return training_flops_per_token(model, seqlen)
+
+
+def build_ours(preset, overrides, paths, device, seqlen):
     from flash_attn.models.gpt import GPTLMHeadModel
 
-    config = _gpt2_config(sizes, seqlen)
-    flags = {flag: works for flag, (works, _) in paths.items() if flag in (
-        "use_flash_attn", "fused_bias_fc", "fused_mlp", "fused_dropout_add_ln")}
-    config.update(dict(flags, residual_in_fp32=flags["fused_dropout_add_ln"],
-                       pad_vocab_size_multiple=8))
-    model = GPTLMHeadModel(config, device=device)
+    model = GPTLMHeadModel(_config(preset, overrides, seqlen, paths), device=device)
     if paths["triton cross_entropy"][0]:
         from flash_attn.losses.cross_entropy import CrossEntropyLoss
 
@@ -146,25 +163,33 @@ def build_ours(sizes, paths, device, seqlen):
         labels = F.pad(ids[:, 1:], (0, 1), value=-100)
         return loss_fn(logits.flatten(0, 1), labels.flatten())
 
-    return model, loss_of
+    return model, model, loss_of
 
 
-def build_hf(sizes, device, seqlen):
-    from transformers import GPT2LMHeadModel
+def build_hf(preset, overrides, device, seqlen, compile_backend=None):
+    """HF's GPT2LMHeadModel of the same shape, dropout 0; compiled with compile_backend if given.
+    Returns (the module with the parameters, the callable that runs it, loss_of)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = _gpt2_config(sizes, seqlen)
+    from flash_attn.models.presets import PRESETS
+
+    sizes = dict(PRESETS[preset], **overrides)
+    config = GPT2Config(n_positions=seqlen, vocab_size=VOCAB, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, **sizes)
     config._attn_implementation = "sdpa"  # the constructor keyword differs across versions
     model = GPT2LMHeadModel(config).to(device)
     if model.config._attn_implementation != "sdpa":
         raise RuntimeError(f"HF picked attention {model.config._attn_implementation!r}, not sdpa")
+    run = model if compile_backend is None else torch.compile(model, backend=compile_backend)
 
     def loss_of(ids):
-        return model(ids, labels=ids).loss
+        return run(ids, labels=ids).loss
 
-    return model, loss_of
+    return model, run, loss_of
 
 
-def tokens_per_second(model, loss_of, batch, device, seqlen, warmup, steps):
+def measure(model, loss_of, batch, device, seqlen, warmup, steps):
+    """(tokens/s, peak bytes allocated over the steps or None on CPU) of the training step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     model.train()
     ids = torch.randint(0, VOCAB, (batch, seqlen), device=device)
@@ -177,6 +202,8 @@ def tokens_per_second(model, loss_of, batch, device, seqlen, warmup, steps):
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         loss = step()
     if not math.isfinite(loss.item()):
@@ -194,63 +221,77 @@ def tokens_per_second(model, loss_of, batch, device, seqlen, warmup, steps):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
-    return batch * seqlen / statistics.median(times)
-
-
-def model_tflops(params, n_layer, d_model, seqlen, tokens_per_s):
-    """6 x params x tokens + 6 x layers x d_model x seq x tokens (the anchors' formula)."""
-    return (6 * params + 6 * n_layer * d_model * seqlen) * tokens_per_s / 1e12
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    return batch * seqlen / statistics.median(times), peak
 
 
 def main():
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, compile_option=True)
+    from training.metrics import peak_flops
+
     run = SMOKE_RUN if args.smoke else GPU_RUN
     device, seqlen = run["device"], run["seqlen"]
     torch.manual_seed(0)
     print(environment())
     if args.smoke:
         note_stand_in("'ours' is our GPTLMHeadModel with every fused path off and PyTorch's "
-                      "cross-entropy (the fused paths need CUDA)")
+                      "cross-entropy (the fused paths need CUDA); 'HF sdpa + compile' compiles "
+                      "with the eager backend")
         paths = {flag: (False, "not probed: smoke run on CPU") for flag in PROBES}
     else:
         paths = available_paths()
+    peak, peak_source = peak_flops(torch.device(device))
+    print(f"MFU against {peak_source} ({peak / 1e12:.3g} TFLOP/s)")
     print("fused paths:")
     for flag, (works, note) in paths.items():
         print(f"  {flag:22s} {'on ' if works else 'off'}  {note}")
-    rows, series = [], {"ours": ([], []), "HF sdpa": ([], [])}
-    for index, (name, sizes, batch) in enumerate(run["models"], 1):
-        results, params = {}, float("nan")
-        for impl, build in (("HF sdpa", lambda: build_hf(sizes, device, seqlen)),
-                            ("ours", lambda: build_ours(sizes, paths, device, seqlen))):
+    implementations = [impl for impl in IMPLEMENTATIONS
+                       if not (args.no_compile and impl == "HF sdpa + compile")]
+    builders = {
+        "HF sdpa": lambda p, o: build_hf(p, o, device, seqlen),
+        "HF sdpa + compile": lambda p, o: build_hf(p, o, device, seqlen, run["compile_backend"]),
+        "ours": lambda p, o: build_ours(p, o, paths, device, seqlen),
+    }
+    rows, series = [], {impl: ([], []) for impl in implementations}
+    for index, (name, preset, overrides, batch) in enumerate(run["models"], 1):
+        flops = flops_per_token(preset, overrides, seqlen)
+        results = {}
+        for impl in implementations:
             print(f"{name} {impl} ...", flush=True)
-            try:
-                model, loss_of = build()
-                if impl == "HF sdpa":
-                    params = sum(p.numel() for p in model.parameters())
-                else:
-                    print(f"{name} ours: {model.transformer.active_paths()}")
-                results[impl] = tokens_per_second(model, loss_of, batch, device, seqlen,
-                                                  run["warmup"], run["steps"])
-            except Exception as error:  # report the other measurement anyway
-                print(f"{name} {impl} FAILED: {type(error).__name__}: {error}")
-                results[impl] = float("nan")
             model = loss_of = None
-            torch.cuda.empty_cache()
-        for impl, tps in results.items():
-            tflops = model_tflops(params, sizes["n_layer"], sizes["n_embd"], seqlen, tps)
-            rows.append([name, impl, batch, f"{tps:,.0f}", round(tflops, 1),
-                         round(tps / results["HF sdpa"], 3)])
+            try:
+                model, _, loss_of = builders[impl](preset, overrides)
+                if impl == "ours":
+                    print(f"{name} ours: {model.transformer.active_paths()}")
+                results[impl] = measure(model, loss_of, batch, device, seqlen, run["warmup"],
+                                        run["steps"])
+            except Exception as error:  # report the other measurements anyway
+                print(f"{name} {impl} FAILED: {type(error).__name__}: {error}")
+                results[impl] = (float("nan"), None)
+            model = loss_of = None
+            torch._dynamo.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        base = results["HF sdpa"][0]
+        for impl, (tps, peak_bytes) in results.items():
+            memory = "-" if peak_bytes is None else round(peak_bytes / 2 ** 30, 1)
+            rows.append([name, impl, batch, f"{tps:,.0f}", round(tps * flops / 1e12, 1),
+                         round(100 * tps * flops / peak, 1), memory, round(tps / base, 3)])
             series[impl][0].append(index)
             series[impl][1].append(tps)
-        print(f"{name}: ours {results['ours']:,.0f} tok/s, HF sdpa {results['HF sdpa']:,.0f} tok/s, "
-              f"ratio {results['ours'] / results['HF sdpa']:.3f}")
-    notes = "Fused paths: " + "; ".join(f"{flag} {'on' if works else 'off (' + note + ')'}"
-                                        for flag, (works, note) in paths.items())
-    report(f"GPT-2 training step (seq {seqlen}, bf16 autocast, fused AdamW)",
-           ["model", "implementation", "batch", "tokens/s", "model TFLOP/s", "vs HF sdpa"], rows,
-           notes=notes)
+        print(f"{name}: " + ", ".join(f"{impl} {tps:,.0f} tok/s" for impl, (tps, _) in
+                                      results.items()), flush=True)
+    notes = ("FLOPs per token: 6 x the weights a token is multiplied by (position embeddings "
+             "left out) + 6 x layers x width x seq (causal attention); MFU against "
+             f"{peak_source}. Peak memory: torch.cuda.max_memory_allocated over the warm-up and "
+             "timed steps (weights, gradients, AdamW state, activations). Fused paths: " +
+             "; ".join(f"{flag} {'on' if works else 'off (' + note + ')'}"
+                       for flag, (works, note) in paths.items()))
+    report(f"GPT-2 training step (seq {seqlen}, dropout 0, bf16 autocast, fused AdamW)",
+           ["model", "implementation", "batch", "tokens/s", "model TFLOP/s", "MFU %",
+            "peak GiB", "vs HF sdpa"], rows, notes=notes)
     legend = ", ".join(f"{index} = {name.removeprefix('gpt2-')} b{batch}"
-                       for index, (name, _, batch) in enumerate(run["models"], 1))
+                       for index, (name, _, _, batch) in enumerate(run["models"], 1))
     save_plot("benchmark_gpt.png", f"GPT-2 training tokens/s ({legend})", "model", "tokens/s",
               series)
 

@@ -375,7 +375,7 @@ def test_kv_cache_takes_the_autocast_dtype_cpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_generation_under_autocast_with_fp32_weights_gpu(fused):
-    """training/train_gpt.py's sampling: an fp32 model generating under bf16 autocast, with and
+    """training/train.py's sampling: an fp32 model generating under bf16 autocast, with and
     without CUDA graphs; graphs captured in one autocast region replay right in the next."""
     torch.manual_seed(0)
     config = _gpu_config(**VARIANTS["llama-like"], **(FUSED if fused else dict(use_flash_attn=True)))

@@ -1,0 +1,1 @@
+"""The GPT trainer behind training/train.py: options, data, parallelism, checkpoints, metrics."""
