@@ -19,6 +19,7 @@ from flash_attn.models.checkpoint import (
     attention_layout,
     pad_vocab,
     padded_vocab_size,
+    put_gpt2_top_level,
     split_layer_key,
     tie_lm_head,
 )
@@ -66,15 +67,7 @@ def remap_state_dict_hf_bigcode(state_dict, config):
         key = re.sub(r"^transformer\.", "", key)
         if key == "bias" or re.search(r"\.attn\.(masked_)?bias$", key):  # causal-mask buffers
             continue
-        if key == "wte.weight":
-            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(value, vocab)
-        elif key == "wpe.weight":
-            out["transformer.embeddings.position_embeddings.weight"] = value
-        elif key.startswith("ln_f."):
-            out["transformer." + key] = value
-        elif key == "lm_head.weight":
-            out[key] = pad_vocab(value, vocab)
-        else:
+        if not put_gpt2_top_level(out, key, value, vocab):
             i, module, param = split_layer_key(r"h\.", key, "remap_state_dict_hf_bigcode")
             if module == "attn.c_attn":
                 q, k, v = _split_c_attn(value, config)

@@ -11,7 +11,8 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.checkpoint import pad_vocab, padded_vocab_size, split_layer_key, tie_lm_head
+from flash_attn.models.checkpoint import (pad_vocab, padded_vocab_size, put_gpt2_top_level,
+                                          split_layer_key, tie_lm_head)
 from flash_attn.models.registry import ModelFamily, key_pattern, register_family
 
 
@@ -59,15 +60,7 @@ def remap_state_dict_hf_btlm(state_dict, config):
         key = re.sub(r"^transformer\.", "", key)
         if key == "relative_pe.slopes" or re.search(r"\.attn\.(masked_)?bias$", key):
             continue
-        if key == "wte.weight":
-            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(value, vocab)
-        elif key == "wpe.weight":
-            out["transformer.embeddings.position_embeddings.weight"] = value
-        elif key.startswith("ln_f."):
-            out["transformer." + key] = value
-        elif key == "lm_head.weight":
-            out[key] = pad_vocab(value, vocab)
-        else:
+        if not put_gpt2_top_level(out, key, value, vocab):
             i, module, param = split_layer_key(r"h\.", key, "remap_state_dict_hf_btlm")
             if param == "weight" and not module.startswith("ln_"):
                 value = value.t().contiguous()

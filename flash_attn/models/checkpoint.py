@@ -57,6 +57,22 @@ def stack_qkv(out, qkv):
             [qkv[(i, name, param)] for name in "qkv"])
 
 
+def put_gpt2_top_level(out, key, value, vocab_size):
+    """GPT-2-layout checkpoints (GPT-2, GPTBigCode, BTLM) share their non-layer keys: wte, wpe,
+    ln_f and lm_head (the transformer. prefix already stripped). Puts key into out under our name
+    (vocabulary rows padded to vocab_size) and returns True, or returns False for any other key."""
+    if key in ("wte.weight", "lm_head.weight"):
+        name = ("transformer.embeddings.word_embeddings.weight" if key == "wte.weight" else key)
+        out[name] = pad_vocab(value, vocab_size)
+    elif key == "wpe.weight":
+        out["transformer.embeddings.position_embeddings.weight"] = value
+    elif key.startswith("ln_f."):
+        out["transformer." + key] = value
+    else:
+        return False
+    return True
+
+
 def tie_lm_head(out, config):
     """lm_head.weight is the word embeddings when the config ties them or the checkpoint has
     no head of its own."""

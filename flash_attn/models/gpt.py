@@ -33,6 +33,7 @@ from flash_attn.models.checkpoint import (  # noqa: F401  (also importable from 
     combine_state_dicts_tp,
     pad_vocab,
     padded_vocab_size,
+    put_gpt2_top_level,
     shard_state_dict_tp,
     split_layer_key,
     stack_qkv,
@@ -410,16 +411,7 @@ def remap_state_dict_hf_gpt2(state_dict, config):
         key = re.sub(r"^transformer\.", "", key)
         if re.search(r"\.attn\.(masked_)?bias$", key):  # causal-mask buffers of old checkpoints
             continue
-        if key == "wte.weight":
-            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(
-                value, padded_vocab_size(config))
-        elif key == "wpe.weight":
-            out["transformer.embeddings.position_embeddings.weight"] = value
-        elif key.startswith("ln_f."):
-            out["transformer." + key] = value
-        elif key == "lm_head.weight":
-            out[key] = pad_vocab(value, padded_vocab_size(config))
-        else:
+        if not put_gpt2_top_level(out, key, value, padded_vocab_size(config)):
             i, module, param = split_layer_key(r"h\.", key, "remap_state_dict_hf_gpt2")
             if module not in _GPT2_LAYER_NAMES:
                 raise KeyError(f"remap_state_dict_hf_gpt2: unexpected key {key!r}")
