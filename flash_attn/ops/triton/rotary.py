@@ -308,31 +308,11 @@ def apply_rotary(
 def apply_rotary_ref(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None,
                      interleaved=False, conjugate=False):
     """Plain-PyTorch apply_rotary (for tests), computed in the dtype of x: pass float32 inputs
-    for an exact reference, low-precision ones to see what that precision alone costs."""
-    rotary_dim = 2 * cos.shape[1]
-    if cu_seqlens is not None:
-        # Position of every row of the packed tensor, and its sequence.
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
-        pos = torch.arange(x.shape[0], device=x.device) - cu_seqlens.long()[seq_idx]
-    else:
-        seq_idx = torch.arange(x.shape[0], device=x.device)[:, None]
-        pos = torch.arange(x.shape[1], device=x.device)[None, :]
-    if isinstance(seqlen_offsets, torch.Tensor):
-        pos = pos + seqlen_offsets.long()[seq_idx]
-    else:
-        pos = pos + seqlen_offsets
-    valid = (pos < cos.shape[0]).unsqueeze(-1)
-    pos = pos.clamp(max=cos.shape[0] - 1)
-    c = torch.where(valid, cos.to(x.dtype)[pos], 1.0).unsqueeze(-2)  # (..., 1, rotary_dim / 2)
-    s = torch.where(valid, sin.to(x.dtype)[pos], 0.0).unsqueeze(-2)
-    if conjugate:
-        s = -s
-    xr = x[..., :rotary_dim]
-    if interleaved:
-        x0, x1 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    else:
-        x0, x1 = xr.chunk(2, dim=-1)
-        rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return torch.cat((rot, x[..., rotary_dim:]), dim=-1)
+    for an exact reference, low-precision ones to see what that precision alone costs. The one
+    PyTorch rotary is layers.rotary's (imported here, since that module imports this one)."""
+    from flash_attn.layers.rotary import apply_rotary_emb_torch
+
+    del max_seqlen  # the packed rows' positions come from cu_seqlens alone
+    return apply_rotary_emb_torch(x, cos.to(x.dtype), sin.to(x.dtype), interleaved=interleaved,
+                                  seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens,
+                                  conjugate=conjugate)
