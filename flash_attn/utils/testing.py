@@ -442,3 +442,21 @@ def _distributed_rank():
         traceback.print_exc()
         sys.stdout.flush()
         sys.exit(1)
+
+
+def assert_causal_lm_matches_hf(hf_model, model, vocab_size, atol=1e-4, min_distinct_tokens=None):
+    """Our GPTLMHeadModel against the transformers model it was loaded from: logits of a random
+    batch within atol, and greedy generation token-identical. min_distinct_tokens: the greedy
+    continuation must hold more distinct tokens than that (so the comparison means something)."""
+    ids = torch.randint(2, vocab_size, (2, 20))
+    with torch.no_grad():
+        expected = hf_model(ids, attention_mask=torch.ones_like(ids)).logits
+        logits = model(ids).logits
+    assert (logits - expected).abs().max().item() <= atol
+    prompt = ids[:, :5]
+    with torch.no_grad():
+        tokens = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_length=16,
+                                   do_sample=False, eos_token_id=None, pad_token_id=1)
+    if min_distinct_tokens is not None:
+        assert len(tokens[0, 5:].unique()) > min_distinct_tokens
+    assert torch.equal(model.generate(prompt, max_length=16), tokens)

@@ -5,6 +5,7 @@ import torch
 import transformers as T
 
 from flash_attn.models.gpt import GPTLMHeadModel
+from flash_attn.utils.testing import assert_causal_lm_matches_hf
 from flash_attn.models.gpt_neox import gpt_neox_config_to_gpt2_config, remap_state_dict_hf_gpt_neox
 from flash_attn.models.gptj import gptj_config_to_gpt2_config, remap_state_dict_hf_gptj
 from flash_attn.models.opt import opt_config_to_gpt2_config, remap_state_dict_hf_opt
@@ -43,16 +44,7 @@ def test_matches_hf(case):
     config = convert(hf_config)
     ours = GPTLMHeadModel(config).eval()
     ours.load_state_dict(remap(hf.state_dict(), config))
-    ids = torch.randint(2, VOCAB, (2, 20))
-    with torch.no_grad():
-        expected = hf(ids, attention_mask=torch.ones_like(ids)).logits
-        logits = ours(ids).logits
-    assert (logits - expected).abs().max().item() <= 1e-4
-    prompt = ids[:, :5]
-    with torch.no_grad():
-        tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_length=16,
-                             do_sample=False, eos_token_id=None, pad_token_id=1)
-    assert torch.equal(ours.generate(prompt, max_length=16), tokens)
+    assert_causal_lm_matches_hf(hf, ours, VOCAB)
 
 
 @pytest.mark.parametrize("case", ["neox-parallel", "gptj", "opt"])
