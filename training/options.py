@@ -18,7 +18,7 @@ from flash_attn.models.presets import PRESETS
 COMMON = dict(data=None, vocab_size=None, dropout=0.0, min_lr_ratio=0.1, weight_decay=0.1,
               grad_clip=1.0, keep_checkpoints=2, out="out", seed=0, parallel="ddp",
               sample_tokens=256, peak_tflops=None, n_layer=None, n_embd=None, n_head=None,
-              n_head_kv=None)
+              n_head_kv=None, loss="logits")
 
 # The CPU profile is sized to finish in a few minutes on two cores with the validation loss well
 # down (the README's "Training a GPT" gives the measured time); the GPU one trains GPT-2 small.
@@ -117,6 +117,9 @@ def build_parser():
     _add(opt, "--weight-decay", "AdamW weight decay of the matrices", _float_in(0.0))
     _add(opt, "--grad-clip", "max gradient norm, 0 = no clipping", _float_in(0.0))
     _add(opt, "--seed", "seed of the weights and the data order", count)
+    _add(opt, "--loss", "logits: the LM head's logits, then cross-entropy; chunked: "
+                        "losses.linear_cross_entropy, which never holds the full logits",
+         choices=["logits", "chunked"])
     run = p.add_argument_group("run")
     _add(run, "--out", "output folder: checkpoints/, metrics.json, loss.png, sample.txt",
          metavar="DIR")

@@ -52,6 +52,7 @@ from flash_attn.modules.mlp import GatedMlp, Mlp, ParallelGatedMlp, ParallelMLP,
 from flash_attn.utils.generation import GenerationMixin
 
 CausalLMOutput = namedtuple("CausalLMOutput", ["logits"])
+CausalLMLoss = namedtuple("CausalLMLoss", ["loss"])
 
 GELU_TANH = ("gelu_new", "gelu_fast", "gelu_approx", "gelu_pytorch_tanh")
 GATED = {"glu": F.sigmoid, "swiglu": F.silu, "geglu": F.gelu}  # checkpoint.GATED_ACTIVATIONS
@@ -359,10 +360,14 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
         return self.transformer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype,
                                                          **kwargs)
 
-    def forward(self, input_ids, position_ids=None, inference_params=None, num_last_tokens=0):
+    def forward(self, input_ids, position_ids=None, inference_params=None, num_last_tokens=0,
+                targets=None, ignore_index=-100):
         """input_ids (b, s) -> CausalLMOutput(logits (b, s, padded vocab)); num_last_tokens > 0
         keeps only the last positions (generation). With a process_group the logits are this
-        rank's vocabulary slice, except in generation (inference_params given)."""
+        rank's vocabulary slice, except in generation (inference_params given).
+        targets (b, s): the token each position predicts (not shifted here, unlike HF's labels):
+        returns CausalLMLoss(loss), the mean cross-entropy over the positions whose target is not
+        ignore_index, through losses.linear_cross_entropy, which never holds the full logits."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seqlen), got {tuple(input_ids.shape)}")
         batch, seqlen = input_ids.shape
@@ -376,8 +381,11 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
             hidden_states = self.project_out(hidden_states)
         if self.output_scale != 1.0:
             hidden_states = hidden_states * self.output_scale
+        weight = F.normalize(self.lm_head.weight) if self.norm_head else self.lm_head.weight
+        if targets is not None:
+            return CausalLMLoss(self._chunked_loss(hidden_states, weight, targets, ignore_index))
         if self.norm_head:
-            logits = F.linear(hidden_states, F.normalize(self.lm_head.weight), self.lm_head.bias)
+            logits = F.linear(hidden_states, weight, self.lm_head.bias)
         else:
             logits = self.lm_head(hidden_states)
         if self.process_group is not None:
@@ -393,6 +401,20 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
                 logits = rearrange(logits, "(n b) s v -> b s (n v)", b=batch)
         return CausalLMOutput(logits=logits)
 
+
+    def _chunked_loss(self, hidden_states, weight, targets, ignore_index):
+        from flash_attn.losses.linear_cross_entropy import linear_cross_entropy
+
+        if self.process_group is not None:
+            raise NotImplementedError("targets: the chunked loss of a vocabulary-parallel LM head "
+                                      "is not implemented; compute logits and use "
+                                      "CrossEntropyLoss(process_group=...)")
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if targets.numel() != hidden.shape[0]:
+            raise ValueError(f"targets must have one token per position "
+                             f"({hidden.shape[0]}), got shape {tuple(targets.shape)}")
+        return linear_cross_entropy(hidden, weight, targets.reshape(-1), self.lm_head.bias,
+                                    ignore_index=ignore_index)
 
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: HF GPT-2 and Megatron-LM GPT.

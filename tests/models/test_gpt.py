@@ -405,3 +405,25 @@ def test_generation_under_autocast_with_fp32_weights_gpu(fused):
     del junk
     assert model._decoding_cache.callables == graphs
     assert torch.equal(torch.stack(out_cg2.scores, dim=1).float(), scores_cg)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_targets_give_the_chunked_loss_of_the_logits(tie):
+    """forward(targets=...) is the mean cross-entropy of its logits (ignored positions left out),
+    with the same gradients, without making the logits."""
+    torch.manual_seed(0)
+    config = _config(tie_word_embeddings=tie, pad_vocab_size_multiple=8)
+    model = GPTLMHeadModel(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 11))
+    targets = torch.randint(0, config.vocab_size, (2, 11))
+    targets[0, :3] = -100
+    loss = model(ids, targets=targets).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    logits = model(ids).logits
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="targets"):
+        model(ids, targets=targets[:, :5])

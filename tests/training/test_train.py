@@ -222,3 +222,17 @@ def test_gpu_run_uses_every_fused_path(preset, corpus_dir, tmp_path, run_train, 
     val = read_metrics(out)["history"]["val"]
     assert val[-1][1] < val[0][1] - 1.0, val
     assert (out / "sample.txt").read_text()
+
+
+def test_chunked_loss_follows_the_logits_loss(reference, tiny, corpus_dir, tmp_path, run_train,
+                                              read_metrics):
+    """--loss chunked (losses.linear_cross_entropy through forward(targets=...)) trains along the
+    same curve as the default loss of the logits: the same losses up to float32 rounding."""
+    out = tmp_path / "out"
+    run_train(_args(tiny, corpus_dir, out) + ["--loss", "chunked"])
+    chunked = read_metrics(out)["history"]
+    plain = read_metrics(reference[0])["history"]
+    for kind in ("train", "val"):
+        got = [row[1] for row in chunked[kind]]
+        want = [row[1] for row in plain[kind]]
+        assert got == pytest.approx(want, rel=1e-4), kind
