@@ -65,7 +65,9 @@ __device__ __forceinline__ void wgmma_gemm(TiledMma &tiled_mma, TA &&tCrA, TB co
 }
 
 // Which tiles wgmma takes: 64-element (128-byte) row chunks everywhere, whole warpgroups; the
-// rest keep mma.sync. A tile that qualifies still takes mma.sync outside the sm_90a pass.
+// rest keep mma.sync. Outside the sm_90a pass every tile takes mma.sync: the specialisations below
+// are chosen with FLASH_WGMMA_ARCH, so that an sm_80 pass never lays its accumulators out for
+// wgmma (the mma.sync products would not fit them).
 template <typename Traits>
 constexpr bool kForwardWgmmaApplies = Traits::kNWarps % 4 == 0 && Traits::kBlockM % (16 * Traits::kNWarps) == 0 &&
                                       Traits::kBlockN % 16 == 0 &&
@@ -78,7 +80,7 @@ constexpr bool kBackwardWgmmaApplies = Traits::kNWarps == 8 && Traits::kBlockN =
 
 // The forward: S = Q K^T (both from shared memory) and O += P V (P from registers), one warpgroup
 // per 64 query rows. Where wgmma does not apply, the MMAs are the mma.sync ones.
-template <typename Traits, bool = kForwardWgmmaApplies<Traits>>
+template <typename Traits, bool = kForwardWgmmaApplies<Traits> && FLASH_WGMMA_ARCH>
 struct ForwardWgmma {
     static constexpr bool kEnabled = false;
     using TiledMmaS = typename Traits::TiledMma;
@@ -90,7 +92,7 @@ struct ForwardWgmma<Traits, true> {
     using Element = typename Traits::Element;
     static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     static constexpr int kWarpgroups = Traits::kNWarps / 4;
-    static constexpr bool kEnabled = FLASH_WGMMA_ARCH;
+    static constexpr bool kEnabled = true;
 
     using TiledMmaS = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
@@ -107,7 +109,7 @@ struct ForwardWgmma<Traits, true> {
 
 // The backward's dV, dK and dQ products (S and dP stay on mma.sync: their element-wise work is
 // laid out for it). Where wgmma does not apply, the MMAs are the mma.sync ones.
-template <typename Traits, bool = kBackwardWgmmaApplies<Traits>>
+template <typename Traits, bool = kBackwardWgmmaApplies<Traits> && FLASH_WGMMA_ARCH>
 struct BackwardWgmma {
     static constexpr bool kEnabled = false;
     using TiledMmadKV = typename Traits::TiledMmadKV;
@@ -118,7 +120,7 @@ template <typename Traits>
 struct BackwardWgmma<Traits, true> {
     using Element = typename Traits::Element;
     static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-    static constexpr bool kEnabled = FLASH_WGMMA_ARCH;
+    static constexpr bool kEnabled = true;
 
     // dV, dK (kBlockN x head dim): one warpgroup per 64 keys.
     using TiledMmadKV = decltype(make_tiled_mma(
