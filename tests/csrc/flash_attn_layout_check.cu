@@ -128,12 +128,14 @@ void check_smem_view(const char *name) {
     }
 }
 
+// The wgmma specialisations are named explicitly (<..., true>): the kernels select them only in the
+// sm_90a device pass, and this check runs on the host.
 template <typename Fwd, typename FwdDropout, typename Bwd>
 void check_wgmma(int head_dim) {
     using Element = typename Fwd::Element;
     char name[64];
     if constexpr (flash::kForwardWgmmaApplies<Fwd>) {
-        using W = flash::ForwardWgmma<Fwd>;
+        using W = flash::ForwardWgmma<Fwd, true>;
         std::snprintf(name, sizeof(name), "forward wgmma hdim%d", head_dim);
         check_score_tile<typename W::TiledMmaS, Fwd::kBlockM, Fwd::kBlockN>(name, Fwd::kNThreads, true);
         check_p_as_a_operand<typename W::TiledMmaS, typename W::TiledMmaO, Fwd::kBlockM, Fwd::kBlockN>(
@@ -146,7 +148,7 @@ void check_wgmma(int head_dim) {
                         Fwd::kHeadDim>(name);
     }
     if constexpr (flash::kForwardWgmmaApplies<FwdDropout>) {
-        using W = flash::ForwardWgmma<FwdDropout>;
+        using W = flash::ForwardWgmma<FwdDropout, true>;
         std::snprintf(name, sizeof(name), "forward+dropout wgmma hdim%d", head_dim);
         check_score_tile<typename W::TiledMmaS, FwdDropout::kBlockM, FwdDropout::kBlockN>(
             name, FwdDropout::kNThreads, true);
@@ -154,7 +156,7 @@ void check_wgmma(int head_dim) {
                              FwdDropout::kBlockN>(name, FwdDropout::kNThreads);
     }
     if constexpr (flash::kBackwardWgmmaApplies<Bwd>) {
-        using W = flash::BackwardWgmma<Bwd>;
+        using W = flash::BackwardWgmma<Bwd, true>;
         std::snprintf(name, sizeof(name), "backward wgmma hdim%d", head_dim);
         check_column_pairs<typename W::TiledMmadQ, Bwd::kBlockM, Bwd::kHeadDim>(name, Bwd::kNThreads);
         check_column_pairs<typename W::TiledMmadKV, Bwd::kBlockN, Bwd::kHeadDim>(name, Bwd::kNThreads);
