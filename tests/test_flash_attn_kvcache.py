@@ -152,13 +152,16 @@ def run_case(case):
         got_k, got_v = from_paged(k_cache, block_table, sc), from_paged(v_cache, block_table, sc)
         used = torch.zeros(k_cache.shape[0], dtype=torch.bool)
         used[block_table.long().flatten().cpu()] = True
-        assert torch.equal(k_cache[~used.to(DEVICE)], k_cache_before[~used.to(DEVICE)])
+        unused = ~used.to(DEVICE)
+        assert torch.equal(k_cache[unused], k_cache_before[unused])
+        assert torch.equal(v_cache[unused], v_cache_before[unused])
     else:
         got_k, got_v = k_cache[batch_idx], v_cache[batch_idx]
         untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
         untouched[batch_idx] = False
         untouched = untouched.to(DEVICE)
         assert torch.equal(k_cache[untouched], k_cache_before[untouched])
+        assert torch.equal(v_cache[untouched], v_cache_before[untouched])
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v), "the append"
 
     # The reference: q rotated (per token when causal or local, else all at the cache length),

@@ -163,7 +163,8 @@ def resolve(explicit, saved=None):
     if saved is None:
         settings = {**COMMON, **PROFILES["cuda" if kind == "cuda" else "cpu"]}
     else:
-        settings = dict(saved)
+        # A run saved before an option existed takes that option's common default.
+        settings = {**COMMON, **saved}
         changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {explicit[k]}"
                    for k in RUN_SHAPING if k in explicit and explicit[k] != saved.get(k)]
         if changed:

@@ -226,7 +226,7 @@ class Trainer:
 
     def _loss(self, inputs, targets):
         with self.autocast:
-            if getattr(self.args, "loss", "logits") == "chunked":  # runs saved before --loss
+            if self.args.loss == "chunked":
                 return self.model(inputs, targets=targets).loss
             logits = self.model(inputs).logits
         return self.loss_fn(logits, targets)
