@@ -4,12 +4,16 @@ CUDA PyTorch needed), so that a GPU machine only compiles the binding and links:
     python scripts/prebuild_kernels.py OUT_DIR [--archs 90] [--jobs 2] [--match flash_bwd]
     FLASH_ATTN_PREBUILT_DIR=OUT_DIR pip install --no-build-isolation .
 
+It builds the kernel set setup.py builds for those archs (FLASH_ATTN_HDIMS / FLASH_ATTN_DTYPES
+read the same way).
+
 Each object is stored with its build_flags.unit_key; setup.py links it only while that key still
 matches, and compiles the unit otherwise. Units whose object is current are skipped here too.
 """
 
 import argparse
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -38,13 +42,21 @@ def main():
     flags_mod = load_module("build_flags", ROOT / "csrc" / "build_flags.py")
     generator = load_module("generate_kernels", ATTENTION / "generate_kernels.py")
     cutlass = flags_mod.cutlass_include_dir()
-    key_flags = flags_mod.kernel_flags(args.archs.replace(";", ",").split(","))
+    archs = args.archs.replace(";", ",").split(",")
+    key_flags = flags_mod.kernel_flags(archs)
     # What torch's BuildExtension adds for every CUDA source of an extension.
     compile_flags = key_flags + ["-Xcompiler", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1", "-Xptxas", "-v",
                                  "-I", str(ATTENTION), "-I", str(ATTENTION / "src"), "-I", cutlass]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    units = [u for u in generator.write_instantiations(ATTENTION / "src" / "generated") if args.match in u.name]
+    # The kernel set setup.py builds for these archs (FLASH_ATTN_HDIMS / FLASH_ATTN_DTYPES as there).
+    hdims = os.getenv("FLASH_ATTN_HDIMS", "").replace(";", ",").replace(" ", ",")
+    hdims = [h for h in hdims.split(",") if h] or list(generator.default_head_dims(archs))
+    hdims = generator.HEAD_DIMS if hdims == ["all"] else [int(h) for h in hdims]
+    dtypes = [t for t in os.getenv("FLASH_ATTN_DTYPES", "").replace(";", ",").split(",") if t.strip()]
+    dtypes = [t.strip() for t in dtypes] or list(generator.DTYPES)
+    units = [u for u in generator.write_instantiations(ATTENTION / "src" / "generated", hdims, dtypes)
+             if args.match in u.name]
 
     def build(unit):
         key = flags_mod.unit_key(unit, ATTENTION / "src", cutlass, key_flags)
