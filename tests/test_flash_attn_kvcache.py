@@ -214,6 +214,21 @@ def test_num_splits_agree(paged, seqlen_q, nheads, nheads_k):
 
 
 @gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,nheads,nheads_k", [(1, 32, 8), (64, 6, 2), (65, 6, 2)])
+@pytest.mark.parametrize("paged,page_block_size", [(False, 16), (True, 16), (True, 48)])
+def test_decode_tile_boundary(head_dim, seqlen_q, nheads, nheads_k, paged, page_block_size):
+    """Both sides of the switch to the 64-row decode tile (at most 64 unmasked query rows, a
+    GQA group's heads packed as rows for one query), with pages shorter than its key block and
+    rows that straddle pages (48), against the reference."""
+    run_case(dict(batch=3, seqlen_q=seqlen_q, seqlen_new=1, seqlen_cache=1024, nheads=nheads,
+                  nheads_k=nheads_k, head_dim=head_dim, dtype=torch.bfloat16, paged=paged,
+                  page_block_size=page_block_size, batch_idx=False, leftpad=False, rotary=None,
+                  rotary_fraction=1.0, mask="none", softcap=0.0, alibi=False, num_splits=0,
+                  lengths_seed=11))
+
+
+@gpu
 def test_lse_matches_reference():
     torch.manual_seed(0)
     q = torch.randn(2, 3, 4, 64, device=DEVICE, dtype=torch.bfloat16)

@@ -314,7 +314,8 @@ std::vector<at::Tensor> mha_varlen_fwd(
 // How many CTAs share the key range of one (query block, batch, head). Two forward CTAs fit an SM
 // (registers) up to head dim 128, and a decode step is bound by memory: the grid should fill
 // those slots. 1 when the unsplit grid already does; else the fewest splits whose last wave is
-// at least 85% as full as the best count's.
+// at least 95% as full as the best count's (a split costs only its partial O: an idle slot costs
+// its share of the bandwidth).
 int choose_num_splits(int64_t ctas, int sms, int n_blocks) {
     const int slots = 2 * sms;
     if (ctas >= int64_t(0.8 * slots) || n_blocks <= 1) { return 1; }
@@ -326,7 +327,7 @@ int choose_num_splits(int64_t ctas, int sms, int n_blocks) {
     double best = 0.0;
     for (int s = 1; s <= max_splits; ++s) { best = std::max(best, wave_fill(s)); }
     for (int s = 1; s <= max_splits; ++s) {
-        if (wave_fill(s) >= 0.85 * best) { return s; }
+        if (wave_fill(s) >= 0.95 * best) { return s; }
     }
     return 1;
 }
@@ -378,8 +379,7 @@ std::vector<at::Tensor> mha_fwd_kvcache(
         params.page_block_size = int(kcache.size(1));
     }
 
-    const int kernel_head_dim = flash::kernel_head_dim(params.head_dim);
-    const int block_m = flash::forward_block_m(kernel_head_dim), block_n = flash::forward_block_n(kernel_head_dim);
+    const auto [block_m, block_n] = flash::forward_block_mn(params);
     const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
     const int64_t ctas = batch * heads * ((seqlen_q + block_m - 1) / block_m);
     const int n_blocks = int((seqlen_k + block_n - 1) / block_n);

@@ -171,6 +171,34 @@ void check_wgmma(int head_dim) {
     }
 }
 
+// The decode tile (64 query rows, one warpgroup) on both MMA paths.
+template <int kHeadDim>
+void check_decode_tile() {
+    using Element = cutlass::bfloat16_t;
+    using Tile = flash::DecodeTile<kHeadDim>;
+    using Fwd = flash::ForwardTraits<kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kNWarps, Element>;
+    char name[64];
+    std::snprintf(name, sizeof(name), "decode hdim%d", kHeadDim);
+    check_score_tile<typename Fwd::TiledMma, Fwd::kBlockM, Fwd::kBlockN>(name, Fwd::kNThreads, true);
+    check_p_as_a_operand<typename Fwd::TiledMma, typename Fwd::TiledMma, Fwd::kBlockM, Fwd::kBlockN>(name,
+                                                                                                    Fwd::kNThreads);
+    EXPECT(Fwd::kSmemSize <= 227 * 1024 / 2, "decode hdim%d needs %d bytes of shared memory (two CTAs per SM)",
+           kHeadDim, Fwd::kSmemSize);
+    if constexpr (flash::kForwardWgmmaApplies<Fwd>) {
+        using W = flash::ForwardWgmma<Fwd, true>;
+        std::snprintf(name, sizeof(name), "decode wgmma hdim%d", kHeadDim);
+        check_score_tile<typename W::TiledMmaS, Fwd::kBlockM, Fwd::kBlockN>(name, Fwd::kNThreads, true);
+        check_p_as_a_operand<typename W::TiledMmaS, typename W::TiledMmaO, Fwd::kBlockM, Fwd::kBlockN>(
+            name, Fwd::kNThreads);
+        check_smem_view<Element, typename Fwd::SmemLayoutQ, typename W::SmemLayoutQ, false, Fwd::kBlockM,
+                        Fwd::kHeadDim>(name);
+        check_smem_view<Element, typename Fwd::SmemLayoutKV, typename W::SmemLayoutK, false, Fwd::kBlockN,
+                        Fwd::kHeadDim>(name);
+        check_smem_view<Element, typename Fwd::SmemLayoutKV, typename W::SmemLayoutVt, true, Fwd::kBlockN,
+                        Fwd::kHeadDim>(name);
+    }
+}
+
 template <int kHeadDim>
 void check_head_dim() {
     using Element = cutlass::bfloat16_t;
@@ -200,6 +228,7 @@ void check_head_dim() {
     check_p_as_a_operand<typename Fwd::TiledMma, typename Fwd::TiledMma, Fwd::kBlockM, Fwd::kBlockN>(name,
                                                                                                     Fwd::kNThreads);
     check_wgmma<Fwd, FwdDropout, Bwd>(kHeadDim);
+    check_decode_tile<kHeadDim>();
 }
 
 void check_philox() {

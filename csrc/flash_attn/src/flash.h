@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <cuda_runtime.h>
 
 namespace flash {
@@ -140,9 +141,8 @@ int kernel_head_dim(int head_dim);
 bool compiled_dtype(bool is_bf16);
 // Key-block size of the backward kernel (the binding sizes the deterministic dq_accum by it).
 int backward_block_n(int kernel_head_dim);
-// Query- and key-block sizes of the forward kernel without dropout (the binding chooses the
-// split-KV count from them).
-int forward_block_m(int kernel_head_dim);
-int forward_block_n(int kernel_head_dim);
+// (query-block, key-block) sizes of the forward kernel that runs these params (the binding
+// chooses the split-KV count from them); (0, 0) when no compiled kernel holds the head dim.
+std::pair<int, int> forward_block_mn(const AttentionParams &params);
 
 }  // namespace flash

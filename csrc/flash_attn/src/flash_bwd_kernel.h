@@ -13,9 +13,8 @@
 #include "wgmma.h"
 #include "dropout.h"
 #include "flash.h"
-#include "flash_fwd_kernel.h"
 #include "kernel_traits.h"
-#include "mask.h"
+#include "score_mods.h"
 #include "sequence_info.h"
 #include "utils.h"
 
@@ -418,9 +417,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     float *dq_accum = params.dq_accum_ptr + dq_accum_split * params.dq_accum_split_stride +
                       int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * kHeadDim;
 
-    const AttentionMask mask = AttentionMask::make(params, seq, bidb, bidh);
-    const bool has_alibi = params.alibi_slopes_ptr != nullptr;
-    const bool has_softcap = params.softcap > 0.f;
+    const ScoreMods score_mods = ScoreMods::make(params, seq, bidb, bidh);
+    const bool has_softcap = score_mods.has_softcap;
     uint64_t seed = 0, offset = 0;
     if constexpr (Is_dropout) { philox_seed_offset(params.philox, seed, offset); }
     const Dropout dropout(params, seed, offset, bidb, bidh);
@@ -464,26 +462,14 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
 
         // The forward's score modifications, then P = exp(S - lse).
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
-        const bool needs_mask = mask.tile_needs_mask<Is_masked>(
-            m_block * kBlockM, (m_block + 1) * kBlockM - 1, n_block * kBlockN, (n_block + 1) * kBlockN - 1);
-        if (has_softcap || has_alibi || needs_mask) {
-            if (has_softcap) {
-                // Stage the derivative 1 - tanh^2 in dS's shared memory until dS is computed.
-                Tensor dtanh = make_tensor<float>(acc_s.layout());
-                CUTE_UNROLL
-                for (int i = 0; i < size(acc_s); ++i) {
-                    acc_s(i) = fast_tanh(acc_s(i) * params.softcap_input_scale);
-                    dtanh(i) = 1.f - acc_s(i) * acc_s(i);
-                }
-                Tensor rdtanh = convert_type<Element>(dtanh);
-                cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rdtanh), tdSsdS);
-            }
-            if (has_alibi) {
-                mask.apply<Is_masked, true>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, needs_mask);
-            } else if (needs_mask) {
-                mask.apply<Is_masked, false>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, true);
-            }
-        }
+        score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [&] {
+            // Stage the softcap's derivative 1 - tanh^2 in dS's shared memory until dS is computed.
+            Tensor dtanh = make_tensor<float>(acc_s.layout());
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_s); ++i) { dtanh(i) = 1.f - acc_s(i) * acc_s(i); }
+            Tensor rdtanh = convert_type<Element>(dtanh);
+            cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rdtanh), tdSsdS);
+        });
         CUTE_UNROLL
         for (int r = 0; r < size<0>(scores); ++r) {
             CUTE_UNROLL

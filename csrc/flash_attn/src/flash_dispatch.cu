@@ -2,6 +2,7 @@
 // holds the input's), dropout on or off and mask (causal / window) on or off.
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <type_traits>
 
 #include <cutlass/numeric_types.h>
@@ -100,22 +101,20 @@ int kernel_head_dim(int head_dim) {
 
 bool compiled_dtype(bool is_bf16) { return is_bf16 ? FLASH_COMPILED_BF16 : FLASH_COMPILED_FP16; }
 
-int forward_block_m(int head_dim) {
-    switch (head_dim) {
-#define FLASH_HEAD_DIM_CASE(D) case D: return ForwardTile<D, false>::kBlockM;
+// The tile run_mha_fwd_ (flash_fwd_launch.h) launches for these params.
+std::pair<int, int> forward_block_mn(const AttentionParams &params) {
+    const bool dropout = params.keep_prob < 1.f;
+    switch (kernel_head_dim(params.head_dim)) {
+#define FLASH_HEAD_DIM_CASE(D)                                                                      \
+    case D:                                                                                         \
+        if (takes_decode_tile(params.seqlen_q, dropout, params.is_masked)) {                       \
+            return {DecodeTile<D>::kBlockM, DecodeTile<D>::kBlockN};                                \
+        }                                                                                           \
+        return {ForwardTile<D, false>::kBlockM, dropout ? ForwardTile<D, true>::kBlockN : ForwardTile<D, false>::kBlockN};
         FLASH_FOR_EACH_COMPILED_HEAD_DIM(FLASH_HEAD_DIM_CASE)
 #undef FLASH_HEAD_DIM_CASE
     }
-    return 0;
-}
-
-int forward_block_n(int head_dim) {
-    switch (head_dim) {
-#define FLASH_HEAD_DIM_CASE(D) case D: return ForwardTile<D, false>::kBlockN;
-        FLASH_FOR_EACH_COMPILED_HEAD_DIM(FLASH_HEAD_DIM_CASE)
-#undef FLASH_HEAD_DIM_CASE
-    }
-    return 0;
+    return {0, 0};
 }
 
 int backward_block_n(int head_dim) {

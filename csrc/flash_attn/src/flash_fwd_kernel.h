@@ -18,7 +18,8 @@
 #include "fwd_block_range.h"
 #include "fwd_epilogue.h"
 #include "kernel_traits.h"
-#include "mask.h"
+#include "paged_kv.h"
+#include "score_mods.h"
 #include "sequence_info.h"
 #include "softmax.h"
 #include "utils.h"
@@ -27,21 +28,6 @@
 namespace flash {
 
 using namespace cute;
-
-__device__ __forceinline__ float fast_tanh(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Element offset of the row `row` of this entry's keys in a paged K/V: its page (looked up in the
-// block table) and its row in the page.
-__device__ __forceinline__ int64_t paged_row_offset(const AttentionParams &params, const SequenceInfo &seq,
-                                                    int bidb, int row, int64_t batch_stride, int64_t row_stride) {
-    const int logical = seq.k_first_row + row;
-    const int page = params.block_table[bidb * params.block_table_batch_stride + logical / params.page_block_size];
-    return int64_t(page) * batch_stride + int64_t(logical % params.page_block_size) * row_stride;
-}
 
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -105,6 +91,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
     Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+    static_assert(PagedRows<kBlockN>::kSmemSize == Traits::kSmemPagedRowsSize && kBlockN <= Traits::kNThreads);
+    const PagedRows<kBlockN> paged_rows(reinterpret_cast<int *>(smem + Traits::kSmemQSize + Traits::kSmemKVSize));
 
     // Global -> shared copies, with predicates for the head dim and the sequence ends.
     typename Traits::GmemTiledCopyQKV gmem_tiled_copy;
@@ -124,7 +112,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
 
     const bool even_k = params.head_dim == kHeadDim;
     // One key block of K or V into shared memory: contiguous rows move as one strided window; paged
-    // rows each start where the block table puts them (a page may be shorter than the block).
+    // rows each start where the block table puts them (a page may be shorter than the block): the
+    // block's lookups (paged_rows) were stored before a barrier the load comes after.
     auto load_kv = [&](auto &tgmem, auto const &tgmem_base, auto &tsmem, int n_block, int64_t batch_stride,
                        int64_t row_stride) {
         const int rows = seq.seqlen_k - n_block * kBlockN;
@@ -133,10 +122,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
             copy_tile(gmem_tiled_copy, tgmem, tsmem, tKVcKV, tKVpKV, rows, even_k && rows >= kBlockN);
         } else {
             tgmem.data() = tgmem_base;
-            copy_tile_rows(gmem_tiled_copy, tgmem, tsmem, tKVcKV, tKVpKV, rows, [&](int row) {
-                return paged_row_offset(params, seq, bidb, n_block * kBlockN + row, batch_stride, row_stride) -
-                       int64_t(row) * row_stride;
-            });
+            copy_tile_rows(gmem_tiled_copy, tgmem, tsmem, tKVcKV, tKVpKV, rows,
+                           [&](int row) { return paged_rows.shift(n_block, row, batch_stride, row_stride); });
         }
     };
     auto load_k = [&](int n_block) {
@@ -174,9 +161,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         tiled_mma_s.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
 
-    const AttentionMask mask = AttentionMask::make(params, seq, bidb, bidh);
-    const bool has_alibi = params.alibi_slopes_ptr != nullptr;
-    const bool has_softcap = params.softcap > 0.f;
+    const ScoreMods score_mods = ScoreMods::make(params, seq, bidb, bidh);
 
     uint64_t seed = 0, offset = 0;
     if constexpr (Is_dropout) { philox_seed_offset(params.philox, seed, offset); }
@@ -188,6 +173,10 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     // Prologue: Q and the last key block.
     const int q_rows = seq.seqlen_q - m_block * kBlockM;
     copy_tile(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, tQpQ, q_rows, even_k && q_rows >= kBlockM);
+    if (paged) {
+        paged_rows.store(n_block_max - 1, tidx, paged_rows.fetch(params, seq, bidb, n_block_max - 1, tidx));
+        __syncthreads();
+    }
     load_k(n_block_max - 1);
     cute::cp_async_fence();
 
@@ -203,6 +192,11 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         __syncthreads();  // K[n] landed; every warp is done reading V[n + 1]
         load_v(n_block);
         cute::cp_async_fence();
+        // Paged: the next block's rows are read from the block table now and stored before the
+        // barrier its K load follows (the buffer they go to was last read by load_v(n_block + 1)).
+        const bool look_up_next = paged && n_block > n_block_min;
+        typename PagedRows<kBlockN>::Row next_row{};
+        if (look_up_next) { next_row = paged_rows.fetch(params, seq, bidb, n_block - 1, tidx); }
 
         if constexpr (kWgmma) {
             auto thr_s = tiled_mma_s.get_thread_slice(tidx);
@@ -219,22 +213,9 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         }
 
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
-        // Score modifications, in flash-attn's order: softcap, ALiBi, then the mask. Interior
-        // tiles of plain attention skip all of it with one uniform branch.
-        const bool needs_mask = mask.tile_needs_mask<Is_masked>(
-            m_block * kBlockM, (m_block + 1) * kBlockM - 1, n_block * kBlockN, (n_block + 1) * kBlockN - 1);
-        if (has_softcap || has_alibi || needs_mask) {
-            if (has_softcap) {
-                CUTE_UNROLL
-                for (int i = 0; i < size(acc_s); ++i) { acc_s(i) = fast_tanh(acc_s(i) * params.softcap_input_scale); }
-            }
-            if (has_alibi) {
-                mask.apply<Is_masked, true>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, needs_mask);
-            } else if (needs_mask) {
-                mask.apply<Is_masked, false>(scores, tScS_rc, m_block * kBlockM, n_block * kBlockN, true);
-            }
-        }
+        score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
 
+        if (look_up_next) { paged_rows.store(n_block - 1, tidx, next_row); }
         cute::cp_async_wait<0>();
         if constexpr (kWgmma) { fence_smem_for_wgmma(); }
         __syncthreads();  // V[n] landed; every warp is done reading K[n]

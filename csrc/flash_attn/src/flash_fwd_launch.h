@@ -10,9 +10,8 @@
 
 namespace flash {
 
-template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
-void run_mha_fwd_(AttentionParams &params, cudaStream_t stream) {
-    using Tile = ForwardTile<kHeadDim, Is_dropout>;
+template <typename Tile, typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
+void launch_fwd(AttentionParams &params, cudaStream_t stream) {
     using Traits = ForwardTraits<kHeadDim, Tile::kBlockM, Tile::kBlockN, Tile::kNWarps, Element>;
     constexpr int kSmemSize = Traits::kSmemSize;
     auto kernel = &flash_fwd_kernel<Traits, Is_dropout, Is_masked>;
@@ -24,6 +23,16 @@ void run_mha_fwd_(AttentionParams &params, cudaStream_t stream) {
     const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.batch, params.heads * params.num_splits);
     kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
     check_cuda(cudaGetLastError(), "launch of the forward kernel");
+}
+
+template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
+void run_mha_fwd_(AttentionParams &params, cudaStream_t stream) {
+    if constexpr (takes_decode_tile(0, Is_dropout, Is_masked)) {
+        if (takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked)) {
+            return launch_fwd<DecodeTile<kHeadDim>, Element, kHeadDim, Is_dropout, Is_masked>(params, stream);
+        }
+    }
+    launch_fwd<ForwardTile<kHeadDim, Is_dropout>, Element, kHeadDim, Is_dropout, Is_masked>(params, stream);
 }
 
 }  // namespace flash

@@ -14,14 +14,6 @@ namespace flash {
 
 using namespace cute;
 
-// Index of (batch, head, row) in softmax_lse: (heads, total_q) for varlen inputs, else
-// (batch, heads, seqlen_q).
-__device__ __forceinline__ int64_t lse_index(const AttentionParams &params, const SequenceInfo &seq,
-                                             int bidb, int bidh, int row) {
-    return seq.q_start >= 0 ? int64_t(bidh) * params.total_q + seq.q_start + row
-                            : (int64_t(bidb) * params.heads + bidh) * params.seqlen_q + row;
-}
-
 // Row (split, batch, head, row) of oaccum / softmax_lse_accum (split-KV is padded-layout only).
 __device__ __forceinline__ int64_t accum_row(const AttentionParams &params, int split, int bidb, int bidh,
                                              int row) {

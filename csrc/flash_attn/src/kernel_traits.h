@@ -93,7 +93,9 @@ struct ForwardTraits : CommonTraits<kHeadDim_, kBlockM_, kBlockN_, kNWarps_ * 32
 
     static constexpr int kSmemQSize = int(size(SmemLayoutQ{})) * int(sizeof(Element));
     static constexpr int kSmemKVSize = 2 * int(size(SmemLayoutKV{})) * int(sizeof(Element));
-    static constexpr int kSmemSize = kSmemQSize + kSmemKVSize;
+    // Past K and V: a paged K/V's row lookups of two key blocks (paged_kv.h).
+    static constexpr int kSmemPagedRowsSize = 2 * 2 * kBlockN * int(sizeof(int));
+    static constexpr int kSmemSize = kSmemQSize + kSmemKVSize + kSmemPagedRowsSize;
 };
 
 // The backward kernel: one CTA owns kBlockN keys (K, V, and their dK, dV accumulators) and walks

@@ -35,4 +35,12 @@ struct SequenceInfo {
     const int seqlen_q, seqlen_k;
 };
 
+// Index of (batch, head, row) in softmax_lse: (heads, total_q) for varlen inputs, else
+// (batch, heads, seqlen_q); the forward writes it, the backward reads it.
+__device__ __forceinline__ int64_t lse_index(const AttentionParams &params, const SequenceInfo &seq,
+                                             int bidb, int bidh, int row) {
+    return seq.q_start >= 0 ? int64_t(bidh) * params.total_q + seq.q_start + row
+                            : (int64_t(bidb) * params.heads + bidh) * params.seqlen_q + row;
+}
+
 }  // namespace flash

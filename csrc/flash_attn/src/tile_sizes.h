@@ -22,6 +22,21 @@ FLASH_FWD_TILE(224, 128, 64, 8, 64)
 FLASH_FWD_TILE(256, 128, 64, 8, 32)
 #undef FLASH_FWD_TILE
 
+// Forward tile of launches with at most 64 query rows and no dropout or mask: decoding
+// (flash_attn_with_kvcache packs one query's GQA group into rows) and short unmasked chunks.
+// The 128-row tile would spend half its tensor work on rows that do not exist, and decoding is
+// bound by memory: 64 rows (one warpgroup) and longer key blocks keep more K/V bytes in flight.
+constexpr int kDecodeBlockM = 64;
+template <int kHeadDim> struct DecodeTile {
+    static constexpr int kBlockM = kDecodeBlockM, kBlockN = kHeadDim <= 128 ? 128 : 64, kNWarps = 4;
+};
+
+// Whether a forward launch runs on DecodeTile: the kernel launch and the binding's split-KV
+// count both ask this.
+__host__ __device__ constexpr bool takes_decode_tile(int seqlen_q, bool dropout, bool masked) {
+    return !dropout && !masked && seqlen_q <= kDecodeBlockM;
+}
+
 // Backward: (kBlockM, kBlockN, kNWarps) and how many warps split the rows of S/dP, of dK/dV
 // (their rows are keys) and of dQ; the MMA tiles must divide the block and head dims.
 template <int kHeadDim> struct BackwardTile;
