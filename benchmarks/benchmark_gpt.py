@@ -9,7 +9,9 @@ cross-entropy when it works. Each fused piece is tried on a small input first (f
 backward under autocast); one that fails is switched off and the reason printed. FLOPs per token
 and MFU: flash_attn.models.presets.training_flops_per_token and training.metrics.peak_flops (the
 GPU's bf16 peak), the same figures training/train.py shows. The torch.compile peer's first steps
-(the compilation) are part of the warm-up, not the timing.
+(the compilation) are part of the warm-up, not the timing. "ours + CUDA graph" (GPU only): the
+same model, its whole step (forward, backward, AdamW) captured once and replayed (capture_step),
+so no CPU time is spent between kernels.
 
     python benchmarks/benchmark_gpt.py [--smoke] [--no-compile]
 
@@ -38,7 +40,7 @@ GPU_RUN = dict(device="cuda", seqlen=1024, warmup=3, steps=10, compile_backend="
                        ("gpt2-medium", "gpt2-medium", {}, 8)])
 SMOKE_RUN = dict(device="cpu", seqlen=32, warmup=1, steps=2, compile_backend="eager",
                  models=[("gpt2-tiny", "gpt2-small", dict(n_layer=2, n_embd=64, n_head=4), 2)])
-IMPLEMENTATIONS = ("HF sdpa", "HF sdpa + compile", "ours")
+IMPLEMENTATIONS = ("HF sdpa", "HF sdpa + compile", "ours", "ours + CUDA graph")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,13 +190,44 @@ def build_hf(preset, overrides, device, seqlen, compile_backend=None):
     return model, run, loss_of
 
 
-def measure(model, loss_of, batch, device, seqlen, warmup, steps):
-    """(tokens/s, peak bytes allocated over the steps or None on CPU) of the training step."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+def capture_step(loss_of, ids, optimizer, warmup):
+    """The whole training step (forward, backward, AdamW) captured once in a CUDA graph, as
+    PyTorch's whole-network capture does it: warm-up steps on a side stream (Triton autotuning and
+    cuBLASLt plans happen there), gradients None at capture so that the graph's backward writes
+    them, autocast without its weight-cast cache. Returns the step: a replay, giving the loss."""
+    def body():
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            loss = loss_of(ids)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            body()
+            optimizer.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = body()
+
+    def step():
+        graph.replay()
+        return static_loss
+
+    return step
+
+
+def measure(model, loss_of, batch, device, seqlen, warmup, steps, cuda_graph=False):
+    """(tokens/s, peak bytes allocated over the steps or None on CPU) of the training step;
+    cuda_graph: the step replayed from a CUDA graph (capture_step)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=cuda_graph)
     model.train()
     ids = torch.randint(0, VOCAB, (batch, seqlen), device=device)
 
-    def step():
+    def eager_step():
         with _autocast(device):
             loss = loss_of(ids)
         loss.backward()
@@ -204,6 +237,7 @@ def measure(model, loss_of, batch, device, seqlen, warmup, steps):
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    step = capture_step(loss_of, ids, optimizer, warmup) if cuda_graph else eager_step
     for _ in range(warmup):
         loss = step()
     if not math.isfinite(loss.item()):
@@ -246,11 +280,13 @@ def main():
     for flag, (works, note) in paths.items():
         print(f"  {flag:22s} {'on ' if works else 'off'}  {note}")
     implementations = [impl for impl in IMPLEMENTATIONS
-                       if not (args.no_compile and impl == "HF sdpa + compile")]
+                       if not (args.no_compile and impl == "HF sdpa + compile")
+                       and not (device != "cuda" and impl == "ours + CUDA graph")]
     builders = {
         "HF sdpa": lambda p, o: build_hf(p, o, device, seqlen),
         "HF sdpa + compile": lambda p, o: build_hf(p, o, device, seqlen, run["compile_backend"]),
         "ours": lambda p, o: build_ours(p, o, paths, device, seqlen),
+        "ours + CUDA graph": lambda p, o: build_ours(p, o, paths, device, seqlen),
     }
     rows, series = [], {impl: ([], []) for impl in implementations}
     for index, (name, preset, overrides, batch) in enumerate(run["models"], 1):
@@ -264,7 +300,7 @@ def main():
                 if impl == "ours":
                     print(f"{name} ours: {model.transformer.active_paths()}")
                 results[impl] = measure(model, loss_of, batch, device, seqlen, run["warmup"],
-                                        run["steps"])
+                                        run["steps"], cuda_graph=impl == "ours + CUDA graph")
             except Exception as error:  # report the other measurements anyway
                 print(f"{name} {impl} FAILED: {type(error).__name__}: {error}")
                 results[impl] = (float("nan"), None)
@@ -273,15 +309,18 @@ def main():
             if device == "cuda":
                 torch.cuda.empty_cache()
         base = results["HF sdpa"][0]
+        compiled = results.get("HF sdpa + compile", (float("nan"), None))[0]
         for impl, (tps, peak_bytes) in results.items():
             memory = "-" if peak_bytes is None else round(peak_bytes / 2 ** 30, 1)
             rows.append([name, impl, batch, f"{tps:,.0f}", round(tps * flops / 1e12, 1),
-                         round(100 * tps * flops / peak, 1), memory, round(tps / base, 3)])
+                         round(100 * tps * flops / peak, 1), memory, round(tps / base, 3),
+                         round(tps / compiled, 3)])
             series[impl][0].append(index)
             series[impl][1].append(tps)
         print(f"{name}: " + ", ".join(f"{impl} {tps:,.0f} tok/s" for impl, (tps, _) in
                                       results.items()), flush=True)
-    notes = ("FLOPs per token: 6 x the weights a token is multiplied by (position embeddings "
+    notes = ("ours + CUDA graph: the same model, the whole step (forward, backward, AdamW "
+             "capturable) replayed from one CUDA graph. FLOPs per token: 6 x the weights a token is multiplied by (position embeddings "
              "left out) + 6 x layers x width x seq (causal attention); MFU against "
              f"{peak_source}. Peak memory: torch.cuda.max_memory_allocated over the warm-up and "
              "timed steps (weights, gradients, AdamW state, activations). Fused paths: " +
@@ -289,7 +328,7 @@ def main():
                        for flag, (works, note) in paths.items()))
     report(f"GPT-2 training step (seq {seqlen}, dropout 0, bf16 autocast, fused AdamW)",
            ["model", "implementation", "batch", "tokens/s", "model TFLOP/s", "MFU %",
-            "peak GiB", "vs HF sdpa"], rows, notes=notes)
+            "peak GiB", "vs HF sdpa", "vs HF sdpa + compile"], rows, notes=notes)
     legend = ", ".join(f"{index} = {name.removeprefix('gpt2-')} b{batch}"
                        for index, (name, _, _, batch) in enumerate(run["models"], 1))
     save_plot("benchmark_gpt.png", f"GPT-2 training tokens/s ({legend})", "model", "tokens/s",
