@@ -130,13 +130,12 @@ void check_smem_view(const char *name) {
 
 // The wgmma specialisations are named explicitly (<..., true>): the kernels select them only in the
 // sm_90a device pass, and this check runs on the host.
-template <typename Fwd, typename FwdDropout, typename Bwd>
-void check_wgmma(int head_dim) {
+// A forward tile on wgmma: its score tile, P as the A operand of P V, and the shared-memory views.
+template <typename Fwd>
+void check_forward_wgmma(const char *name) {
     using Element = typename Fwd::Element;
-    char name[64];
     if constexpr (flash::kForwardWgmmaApplies<Fwd>) {
         using W = flash::ForwardWgmma<Fwd, true>;
-        std::snprintf(name, sizeof(name), "forward wgmma hdim%d", head_dim);
         check_score_tile<typename W::TiledMmaS, Fwd::kBlockM, Fwd::kBlockN>(name, Fwd::kNThreads, true);
         check_p_as_a_operand<typename W::TiledMmaS, typename W::TiledMmaO, Fwd::kBlockM, Fwd::kBlockN>(
             name, Fwd::kNThreads);
@@ -147,6 +146,14 @@ void check_wgmma(int head_dim) {
         check_smem_view<Element, typename Fwd::SmemLayoutKV, typename W::SmemLayoutVt, true, Fwd::kBlockN,
                         Fwd::kHeadDim>(name);
     }
+}
+
+template <typename Fwd, typename FwdDropout, typename Bwd>
+void check_wgmma(int head_dim) {
+    using Element = typename Fwd::Element;
+    char name[64];
+    std::snprintf(name, sizeof(name), "forward wgmma hdim%d", head_dim);
+    check_forward_wgmma<Fwd>(name);
     if constexpr (flash::kForwardWgmmaApplies<FwdDropout>) {
         using W = flash::ForwardWgmma<FwdDropout, true>;
         std::snprintf(name, sizeof(name), "forward+dropout wgmma hdim%d", head_dim);
@@ -184,19 +191,8 @@ void check_decode_tile() {
                                                                                                     Fwd::kNThreads);
     EXPECT(Fwd::kSmemSize <= 227 * 1024 / 2, "decode hdim%d needs %d bytes of shared memory (two CTAs per SM)",
            kHeadDim, Fwd::kSmemSize);
-    if constexpr (flash::kForwardWgmmaApplies<Fwd>) {
-        using W = flash::ForwardWgmma<Fwd, true>;
-        std::snprintf(name, sizeof(name), "decode wgmma hdim%d", kHeadDim);
-        check_score_tile<typename W::TiledMmaS, Fwd::kBlockM, Fwd::kBlockN>(name, Fwd::kNThreads, true);
-        check_p_as_a_operand<typename W::TiledMmaS, typename W::TiledMmaO, Fwd::kBlockM, Fwd::kBlockN>(
-            name, Fwd::kNThreads);
-        check_smem_view<Element, typename Fwd::SmemLayoutQ, typename W::SmemLayoutQ, false, Fwd::kBlockM,
-                        Fwd::kHeadDim>(name);
-        check_smem_view<Element, typename Fwd::SmemLayoutKV, typename W::SmemLayoutK, false, Fwd::kBlockN,
-                        Fwd::kHeadDim>(name);
-        check_smem_view<Element, typename Fwd::SmemLayoutKV, typename W::SmemLayoutVt, true, Fwd::kBlockN,
-                        Fwd::kHeadDim>(name);
-    }
+    std::snprintf(name, sizeof(name), "decode wgmma hdim%d", kHeadDim);
+    check_forward_wgmma<Fwd>(name);
 }
 
 template <int kHeadDim>
