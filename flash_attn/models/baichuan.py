@@ -9,13 +9,9 @@ hidden_size >= 5000 (13B: 5120, 7B: 4096), NormHead for vocab_size > 70000 (Baic
 Baichuan 1: 64000). use_alibi / norm_head override them.
 """
 
-import re
-from collections import OrderedDict
-
-import torch
 from transformers import GPT2Config
 
-from flash_attn.models.checkpoint import pad_vocab, padded_vocab_size, split_layer_key, tie_lm_head
+from flash_attn.models.llama import HF_LAYER_NAMES, remap_llama_layout
 from flash_attn.models.registry import ModelFamily, key_pattern, register_family
 
 
@@ -52,38 +48,11 @@ def baichuan_config_to_gpt2_config(baichuan_config, use_alibi=None, norm_head=No
     )
 
 
-_NAMES = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2",
-          "self_attn.W_pack": "mixer.Wqkv", "self_attn.o_proj": "mixer.out_proj",
-          "mlp.down_proj": "mlp.fc2"}
-
-
 def remap_state_dict_hf_baichuan(state_dict, config):
     """Baichuan's (remote-code BaichuanForCausalLM) state dict -> GPTLMHeadModel(config)'s:
-    [up; gate] become fc1, the rest is renamed."""
-    vocab = padded_vocab_size(config)
-    out, gated = OrderedDict(), {}
-    for key, value in state_dict.items():
-        key = re.sub(r"^model\.", "", key)
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
-        if key == "embed_tokens.weight":
-            out["transformer.embeddings.word_embeddings.weight"] = pad_vocab(value, vocab)
-        elif key == "lm_head.weight":
-            out[key] = pad_vocab(value, vocab)
-        elif key == "norm.weight":
-            out["transformer.ln_f.weight"] = value
-        else:
-            i, module, param = split_layer_key(r"layers\.", key, "remap_state_dict_hf_baichuan")
-            if module in _NAMES:
-                out[f"transformer.layers.{i}.{_NAMES[module]}.{param}"] = value
-            elif module in ("mlp.up_proj", "mlp.gate_proj"):
-                gated[(i, module, param)] = value
-            else:
-                raise KeyError(f"remap_state_dict_hf_baichuan: unexpected key {key!r}")
-    for i, param in sorted({(i, p) for i, _, p in gated}):
-        out[f"transformer.layers.{i}.mlp.fc1.{param}"] = torch.cat(
-            [gated.pop((i, "mlp.up_proj", param)), gated.pop((i, "mlp.gate_proj", param))])
-    return tie_lm_head(out, config)
+    Llama's key layout with W_pack ([q; k; v]) as our Wqkv."""
+    names = dict(HF_LAYER_NAMES, **{"self_attn.W_pack": "mixer.Wqkv"})
+    return remap_llama_layout(state_dict, config, names, "remap_state_dict_hf_baichuan")
 
 
 register_family(ModelFamily(

@@ -17,7 +17,6 @@ from transformers import GPT2Config
 
 from flash_attn.models.checkpoint import (
     attention_layout,
-    pad_vocab,
     padded_vocab_size,
     put_gpt2_top_level,
     split_layer_key,

@@ -11,8 +11,8 @@ from collections import OrderedDict
 import torch
 from transformers import GPT2Config
 
-from flash_attn.models.checkpoint import (pad_vocab, padded_vocab_size, put_gpt2_top_level,
-                                          split_layer_key, tie_lm_head)
+from flash_attn.models.checkpoint import (padded_vocab_size, put_gpt2_top_level, split_layer_key,
+                                          tie_lm_head)
 from flash_attn.models.registry import ModelFamily, key_pattern, register_family
 
 

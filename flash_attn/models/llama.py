@@ -17,7 +17,8 @@ import torch
 from einops import rearrange
 from transformers import GPT2Config, LlamaConfig
 
-from flash_attn.models.checkpoint import pad_vocab, padded_vocab_size, split_layer_key, tie_lm_head
+from flash_attn.models.checkpoint import (pad_vocab, padded_vocab_size, split_layer_key, stack_qkv,
+                                          tie_lm_head)
 from flash_attn.models.registry import ModelFamily, key_pattern, register_family
 
 
@@ -72,7 +73,8 @@ def llama_config_to_gpt2_config(llama_config):
     )
 
 
-_LAYER_NAMES = {
+# The HF Llama layer modules that are renamed as they are (Baichuan's layout shares them).
+HF_LAYER_NAMES = {
     "input_layernorm": "norm1",
     "post_attention_layernorm": "norm2",
     "self_attn.o_proj": "mixer.out_proj",
@@ -84,8 +86,15 @@ def remap_state_dict_hf_llama(state_dict, config):
     """HF LlamaForCausalLM state dict -> GPTLMHeadModel(config)'s (config from
     llama_config_to_gpt2_config). q/k/v are stacked into Wqkv; [up; gate] into fc1 (the gated
     MLP reads the first half as the value and the second as the gate)."""
+    return remap_llama_layout(state_dict, config, HF_LAYER_NAMES, "remap_state_dict_hf_llama")
+
+
+def remap_llama_layout(state_dict, config, layer_names, caller):
+    """The HF Llama key layout (model.embed_tokens, model.layers.N..., model.norm, lm_head) ->
+    GPTLMHeadModel(config)'s. layer_names: the layer modules renamed as they are; q/k/v and
+    gate/up projections not in it are stacked into Wqkv and fc1. caller names the errors."""
     vocab_size = padded_vocab_size(config)
-    out, pieces = OrderedDict(), {}
+    out, qkv, gated = OrderedDict(), {}, {}
     for key, value in state_dict.items():
         key = re.sub(r"^model\.", "", key)
         if key == "embed_tokens.weight":
@@ -97,22 +106,19 @@ def remap_state_dict_hf_llama(state_dict, config):
         elif key.endswith("rotary_emb.inv_freq"):
             continue
         else:
-            i, module, param = split_layer_key(r"layers\.", key, "remap_state_dict_hf_llama")
-            if module in _LAYER_NAMES:
-                out[f"transformer.layers.{i}.{_LAYER_NAMES[module]}.{param}"] = value
-            else:  # q/k/v and gate/up, stacked below
-                pieces[(i, module, param)] = value
-    for i in range(config.n_layer):
-        for param in ("weight", "bias"):
-            qkv = [pieces.pop((str(i), f"self_attn.{p}_proj", param), None) for p in "qkv"]
-            if qkv[0] is not None:
-                out[f"transformer.layers.{i}.mixer.Wqkv.{param}"] = torch.cat(qkv, dim=0)
-            up = pieces.pop((str(i), "mlp.up_proj", param), None)
-            gate = pieces.pop((str(i), "mlp.gate_proj", param), None)
-            if up is not None:
-                out[f"transformer.layers.{i}.mlp.fc1.{param}"] = torch.cat([up, gate], dim=0)
-    if pieces:
-        raise KeyError(f"remap_state_dict_hf_llama: unexpected keys {sorted(pieces)[:4]}")
+            i, module, param = split_layer_key(r"layers\.", key, caller)
+            if module in layer_names:
+                out[f"transformer.layers.{i}.{layer_names[module]}.{param}"] = value
+            elif module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                qkv[(i, module[len("self_attn.")], param)] = value
+            elif module in ("mlp.up_proj", "mlp.gate_proj"):
+                gated[(i, module, param)] = value
+            else:
+                raise KeyError(f"{caller}: unexpected key {key!r}")
+    stack_qkv(out, qkv)
+    for i, param in sorted({(i, p) for i, _, p in gated}):
+        out[f"transformer.layers.{i}.mlp.fc1.{param}"] = torch.cat(
+            [gated[(i, "mlp.up_proj", param)], gated[(i, "mlp.gate_proj", param)]], dim=0)
     return tie_lm_head(out, config)
 
 
@@ -121,7 +127,7 @@ def inv_remap_state_dict_hf_llama(state_dict, config):
     head_dim = config.n_embd // config.n_head
     n_head_kv = getattr(config, "n_head_kv", None) or config.n_head
     q_dim, kv_dim = config.n_head * head_dim, n_head_kv * head_dim
-    inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    inverse = {v: k for k, v in HF_LAYER_NAMES.items()}
     out = OrderedDict()
     for key, value in state_dict.items():
         if key == "transformer.embeddings.word_embeddings.weight":

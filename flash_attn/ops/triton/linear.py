@@ -173,15 +173,13 @@ def _launch(out, act_input, a, b, bias, stride_bk, stride_bn, activation, save_a
     meta = dict(ACTIVATION=activation, HAS_BIAS=bias is not None, SAVE_ACT_INPUT=save_act_input,
                 ACT_GRAD=act_grad, DOT_IN_FP32=interpreted and a.dtype == torch.bfloat16,
                 INPUT_PRECISION="ieee" if fp32_products or interpreted else "tf32")
+    def grid(config):
+        return (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+
     with device:
         if interpreted:
-            config = _INTERPRETER_CONFIG
-            grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
-            _kernel[grid](*args, **meta, **config)
+            _kernel[grid(_INTERPRETER_CONFIG)](*args, **meta, **_INTERPRETER_CONFIG)
         else:
-            def grid(config):
-                return (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
-
             _kernel_tuned[grid](*args, **meta)
 
 
