@@ -24,11 +24,6 @@ _TIE_MARGIN = 1.01  # a candidate must beat the default by more than timing nois
 _L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (H100/H200: 50-60 MB), as triton's do_bench flushes
 
 
-def _measure_ms(fn, warmup=2, reps=5):
-    """Median milliseconds of fn() on the current CUDA stream."""
-    return _time_candidates({0: fn}, warmup=warmup, rounds=reps)[0]
-
-
 def _time_candidates(fns, warmup=2, rounds=7):
     """{key: median milliseconds of fn()} for fns {key: fn}, on the current CUDA stream. Measured in
     interleaved rounds (one call of each candidate per round), so that clock changes during the
