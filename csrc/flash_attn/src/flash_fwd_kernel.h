@@ -7,8 +7,9 @@
 // cp.async loads V of this block during S = Q K^T and K of the next block during P V.
 //
 // The pieces it wires together: which key blocks it walks (fwd_block_range.h: the mask's bounds
-// and the split-KV share), the loads (contiguous, or paged with a row gather), the main loop, and
-// where the results go (fwd_epilogue.h: final O + lse, or a split's partial O + lse).
+// and the split-KV share), the loads (contiguous, or paged with a row gather: paged_kv.h), the
+// score modifications (score_mods.h, shared with the backward), the main loop, and where the
+// results go (fwd_epilogue.h: final O + lse, or a split's partial O + lse).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -91,7 +92,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
     Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
     Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
-    static_assert(PagedRows<kBlockN>::kSmemSize == Traits::kSmemPagedRowsSize && kBlockN <= Traits::kNThreads);
+    static_assert(kBlockN <= Traits::kNThreads, "paged lookups: one thread per key row");
     const PagedRows<kBlockN> paged_rows(reinterpret_cast<int *>(smem + Traits::kSmemQSize + Traits::kSmemKVSize));
 
     // Global -> shared copies, with predicates for the head dim and the sequence ends.

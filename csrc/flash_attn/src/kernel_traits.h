@@ -4,6 +4,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "paged_kv.h"
+
 namespace flash {
 
 using namespace cute;
@@ -93,8 +95,8 @@ struct ForwardTraits : CommonTraits<kHeadDim_, kBlockM_, kBlockN_, kNWarps_ * 32
 
     static constexpr int kSmemQSize = int(size(SmemLayoutQ{})) * int(sizeof(Element));
     static constexpr int kSmemKVSize = 2 * int(size(SmemLayoutKV{})) * int(sizeof(Element));
-    // Past K and V: a paged K/V's row lookups of two key blocks (paged_kv.h).
-    static constexpr int kSmemPagedRowsSize = 2 * 2 * kBlockN * int(sizeof(int));
+    // Past K and V: a paged K/V's row lookups of two key blocks.
+    static constexpr int kSmemPagedRowsSize = PagedRows<kBlockN>::kSmemSize;
     static constexpr int kSmemSize = kSmemQSize + kSmemKVSize + kSmemPagedRowsSize;
 };
 
