@@ -17,9 +17,10 @@ Environment knobs (all optional):
                                         scripts/prebuild_kernels.py; each is linked instead of
                                         compiled while its sources and flags are unchanged
   CXX                                   host compiler, used when csrc/host_compiler.py accepts it
-                                        (a GCC of PyTorch's major version passing its exception
-                                        probe, preferably linking PyTorch's libstdc++); else such
-                                        a GCC is looked for on PATH, and the build stops if none is
+                                        (a GCC of PyTorch's major version whose extensions use
+                                        PyTorch's shared libstdc++ and pass its exception probe);
+                                        else such a GCC is looked for on PATH, and the build
+                                        stops if none is found
   FLASH_ATTN_ANY_HOST_COMPILER=1        build with CXX (or c++) unchecked
 
 The extensions build side by side, each with its own ninja file, so that the small ones compile

@@ -187,8 +187,7 @@ def choose(torch_config, env, probe=None):
         return Choice(cxx, _c_sibling(cxx),
                       f"host compiler {cxx} ({_describe(identify(cxx))}), unchecked: {why}")
     rejected = {}  # path -> why
-    candidates = list(_candidates(env, wanted))
-    for path in candidates:
+    for path in _candidates(env, wanted):
         found = identify(path)
         if found is None or found.family != "gcc" or found.major != wanted:
             rejected[path] = f"{_describe(found)}, not GCC {wanted}"

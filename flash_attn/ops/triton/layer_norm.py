@@ -479,13 +479,15 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     else:
         partials.zero_()
     sums = partials.sum(1)
-    if all(t.dtype == weight.dtype for t in params):
-        sums = sums.to(weight.dtype)
-    grads = iter(sums.unbind(0))
-    dw = next(grads).to(weight.dtype)
-    db = next(grads).to(bias.dtype) if bias is not None else None
-    dw1 = next(grads).to(weight1.dtype) if weight1 is not None else None
-    db1 = next(grads).to(bias1.dtype) if bias1 is not None else None
+    dtypes = [t.dtype for t in params]
+    if len(set(dtypes)) == 1:  # the common case: one cast for all
+        grads = iter(sums.to(dtypes[0]).unbind(0))
+    else:
+        grads = iter([g.to(dtype) for g, dtype in zip(sums.unbind(0), dtypes)])
+    dw = next(grads)
+    db = next(grads) if bias is not None else None
+    dw1 = next(grads) if weight1 is not None else None
+    db1 = next(grads) if bias1 is not None else None
     if has_residual and dresidual_in is None:
         dresidual_in = dx
     if has_x1 and dx1 is None:
