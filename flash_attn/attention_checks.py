@@ -157,12 +157,6 @@ def _check_used_blocks(block_table, lengths, num_blocks, page_block_size):
                   "sequence uses", used)
 
 
-# ----------------------------------------------------------------------------------------------
-# torch.library custom ops: what torch.compile sees. Each calls the extension once.
-# ----------------------------------------------------------------------------------------------
-
-
-
 def _check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, num_splits):
     """Every argument check of flash_attn_with_kvcache; returns cache_seqlens as a (batch,) int32

@@ -443,12 +443,8 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     assert head_dim <= MAX_HEAD_DIM, f"head_dim must be <= {MAX_HEAD_DIM}, got {head_dim}"
     from flash_attn._native import extension_available
 
-    kernel_head_dim = (_cuda_ext().kernel_head_dim(_round_up_8(head_dim))
+    kernel_head_dim = (_cuda_ext().kernel_head_dim(round_multiple(head_dim, 8))
                        if extension_available("flash_attn_2_cuda") else 0)
     if kernel_head_dim == 0:
         kernel_head_dim = min(d for d in _FORWARD_KEY_BLOCK if d >= head_dim)
     return _FORWARD_KEY_BLOCK[kernel_head_dim][int(bool(is_dropout))]
-
-
-def _round_up_8(head_dim):
-    return round_multiple(head_dim, 8)
