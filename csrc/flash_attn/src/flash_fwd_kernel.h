@@ -174,8 +174,12 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     // Prologue: Q and the last key block.
     const int q_rows = seq.seqlen_q - m_block * kBlockM;
     copy_tile(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, tQpQ, q_rows, even_k && q_rows >= kBlockM);
+    // Paged: the rows of the next key block wait in a register for one iteration, so the table read
+    // of block n - 2 has a whole iteration (two loads) to return before its store.
+    typename PagedRows<kBlockN>::Row next_row{};
     if (paged) {
         paged_rows.store(n_block_max - 1, tidx, paged_rows.fetch(params, seq, bidb, n_block_max - 1, tidx));
+        if (n_block_max - 2 >= n_block_min) { next_row = paged_rows.fetch(params, seq, bidb, n_block_max - 2, tidx); }
         __syncthreads();
     }
     load_k(n_block_max - 1);
@@ -193,11 +197,12 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         __syncthreads();  // K[n] landed; every warp is done reading V[n + 1]
         load_v(n_block);
         cute::cp_async_fence();
-        // Paged: the next block's rows are read from the block table now and stored before the
-        // barrier its K load follows (the buffer they go to was last read by load_v(n_block + 1)).
-        const bool look_up_next = paged && n_block > n_block_min;
-        typename PagedRows<kBlockN>::Row next_row{};
-        if (look_up_next) { next_row = paged_rows.fetch(params, seq, bidb, n_block - 1, tidx); }
+        // Paged: block n - 2's rows are read from the block table now; block n - 1's (read an
+        // iteration ago) are stored before the barrier its K load follows (the buffer they go to was
+        // last read by load_v(n_block + 1)).
+        const bool store_next = paged && n_block > n_block_min;
+        typename PagedRows<kBlockN>::Row ahead_row{};
+        if (paged && n_block - 1 > n_block_min) { ahead_row = paged_rows.fetch(params, seq, bidb, n_block - 2, tidx); }
 
         if constexpr (kWgmma) {
             auto thr_s = tiled_mma_s.get_thread_slice(tidx);
@@ -216,7 +221,10 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
         score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
 
-        if (look_up_next) { paged_rows.store(n_block - 1, tidx, next_row); }
+        if (store_next) {
+            paged_rows.store(n_block - 1, tidx, next_row);
+            next_row = ahead_row;
+        }
         cute::cp_async_wait<0>();
         if constexpr (kWgmma) { fence_smem_for_wgmma(); }
         __syncthreads();  // V[n] landed; every warp is done reading K[n]

@@ -1,8 +1,9 @@
 // Paged K/V (block_table): where each row of a key block lives. One thread per row looks the rows
-// of a key block up (its page in the block table, its row in the page) a block ahead of the loads
-// that use them and leaves them in shared memory; the K and the V load of that block then read
-// their row offsets from there. So the block table is read once per key block, its latency
-// overlaps the previous block's S = Q K^T, and no load waits on it.
+// of a key block up (its page in the block table, its row in the page) two blocks ahead of the
+// loads that use them, holds them in a register for an iteration and then leaves them in shared
+// memory; the K and the V load of that block read their row offsets from there. So the block table
+// is read once per key block, and its latency (an L2 read queued behind the K/V traffic) overlaps a
+// whole iteration: no load and no barrier waits on it.
 #pragma once
 
 #include "flash.h"
