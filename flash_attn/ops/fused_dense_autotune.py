@@ -5,7 +5,8 @@ A problem is (rows, in_features, hidden, out_features, dtype, device, activation
 has_bias2, training). For it, the forward GEMM + activation of every candidate is timed; in
 training also the two weight gradients (BGRADB GEMM or PyTorch's mm + sum), then the activation's
 gradient with the first GEMM's weight gradient of every candidate. Ties (within _TIE_MARGIN) go to
-what heuristic=-1 runs. Candidates are timed in interleaved rounds with the L2 cache flushed before
+what heuristic=-1 runs. In training the stages' choices must then beat the unfused plan as a whole
+forward + backward step too. Candidates are timed in interleaved rounds with the L2 cache flushed before
 each call. The plan is a (forward, backward, wgrad) triple as FusedMLPFunc takes it.
 
 The steps being timed are flash_attn.ops.fused_dense's own (_act_forward, _act_backward, _wgrad),
@@ -21,6 +22,7 @@ import torch
 # problem key (see plan_for) -> (fwd, bwd, wgrad). Read by benchmarks and scripts.
 AUTO_PLANS = {}
 _TIE_MARGIN = 1.01  # a candidate must beat the default by more than timing noise to be chosen
+_UNFUSED = (-1, -1, -1)  # PyTorch's ops for every stage
 _L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (H100/H200: 50-60 MB), as triton's do_bench flushes
 
 
@@ -99,7 +101,23 @@ def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activ
             fwd = fused_fwd
         else:
             bwd = -1
-    return fwd, bwd, wgrad
+    plan = (fwd, bwd, wgrad)
+    if plan == _UNFUSED:
+        return plan
+    # Stage times do not add up exactly (a stage's output is the next one's input, in the L2 or
+    # not): the plan must also win as a whole MLP step, else the unfused one runs.
+    b2 = torch.zeros(out_features, device=device, dtype=dtype) if has_bias2 else None
+    leaves = [t.requires_grad_(True) for t in (x, w1, b1, w2, b2) if t is not None]
+
+    def whole_step(plan):
+        with torch.enable_grad():
+            fd.FusedMLPFunc.apply(x, w1, b1, w2, b2, activation, True, False, 0, plan, None, False).backward(grad)
+        for t in leaves:
+            t.grad = None
+
+    with device_ctx, torch.autocast(device.type, enabled=False):
+        whole = _time_candidates({candidate: functools.partial(whole_step, candidate) for candidate in (_UNFUSED, plan)})
+    return _fastest(whole, default=_UNFUSED)
 
 
 def plan_for(x, weight1, weight2, bias1, bias2, dtype, activation, save_pre_act, process_group,
