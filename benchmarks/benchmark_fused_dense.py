@@ -107,7 +107,6 @@ def bench_mlp(timer, tokens, d, hidden, device, dtype):
         times = {name: timer(fn) for name, fn in steps.items()}
     key = next((k for k in fd._AUTO_PLANS if k[:4] == (tokens, d, hidden, d) and k[-1]), None)
     plan = fd._AUTO_PLANS.get(key, "-")
-    del variants, plain, x, grad
     return times, plan
 
 
