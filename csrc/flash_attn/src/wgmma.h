@@ -70,8 +70,7 @@ __device__ __forceinline__ void wgmma_gemm(TiledMma &tiled_mma, TA &&tCrA, TB co
 // wgmma (the mma.sync products would not fit them).
 template <typename Traits>
 constexpr bool kForwardWgmmaApplies = Traits::kNWarps % 4 == 0 && Traits::kBlockM % (16 * Traits::kNWarps) == 0 &&
-                                      Traits::kBlockN % 16 == 0 &&
-                                      (Traits::kHeadDim == 64 || Traits::kHeadDim == 128) &&
+                                      Traits::kBlockN % 16 == 0 && Traits::kHeadDim % 64 == 0 &&
                                       Traits::kBlockKSmem == 64;
 template <typename Traits>
 constexpr bool kBackwardWgmmaApplies = Traits::kNWarps == 8 && Traits::kBlockN == 128 && Traits::kBlockM % 64 == 0 &&
