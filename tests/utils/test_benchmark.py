@@ -190,7 +190,8 @@ BENCH_DIR = REPO / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCH_DIR.glob("benchmark_*.py"))
 # Scripts whose "ours" needs CUDA kernels: their smoke runs must say what stands in for it.
 STAND_IN_SCRIPTS = {"benchmark_flash_attention.py", "benchmark_fused_dense.py",
-                    "benchmark_layer_norm.py", "benchmark_gpt.py", "benchmark_kvcache.py"}
+                    "benchmark_layer_norm.py", "benchmark_gpt.py", "benchmark_kvcache.py",
+                    "benchmark_score_mods.py"}
 SCRIPT_TIMEOUT_S = 300  # a smoke run takes seconds; the margin is for a loaded 2-core machine
 TABLE = re.compile(r"^## .+\n\|( .+ \|)+\n\|(---\|)+$", re.M)
 
