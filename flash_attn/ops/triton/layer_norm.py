@@ -3,14 +3,14 @@
     x = dropout(x * rowscale) [+ dropout(x1)] [+ residual]         (the pre-norm sum)
     y = norm(x) * weight + bias,  y1 = norm(x) * weight1 + bias1    (statistics in fp32)
 
-The forward keeps a row in registers (one program per row); the backward walks a band of rows per
-program and keeps the weight / bias gradient sums in registers, then adds the bands up in PyTorch.
+The forward keeps whole rows in registers (one or a few rows per program); the backward walks a
+band of rows per program, a tile of rows at a time, and keeps the weight / bias gradient sums in
+registers, then adds the bands up in PyTorch. The tile shapes come from _fwd_tile / _bwd_tile.
 Dropout draws come from `tl.rand` with one seed per row taken from PyTorch's generator, so the
 backward regenerates the mask instead of reading it. Runs on CPU tensors under TRITON_INTERPRET=1.
 """
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -102,60 +102,69 @@ def _layer_norm_fwd_kernel(
     DROPOUT_MASK1, MEAN, RSTD,
     stride_x_row, stride_y_row, stride_res_row, stride_res_out_row, stride_x1_row, stride_y1_row,
     M, N, eps, dropout_p,
-    IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, STORE_DROPOUT_MASK: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
-    HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    STORE_RESIDUAL_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    STORE_DROPOUT_MASK: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_X1: tl.constexpr,
+    HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: rows * stride may pass 2^31
+    # A tile of ROWS_PER_PROGRAM whole rows, held in registers; several rows per program share
+    # one load of the weights at small hidden sizes.
+    rows = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
     cols = tl.arange(0, BLOCK_N)
+    in_rows = rows < M
     in_row = cols < N
-    x = tl.load(X + row * stride_x_row + cols, mask=in_row, other=0.0).to(tl.float32)
+    mask = in_rows[:, None] & in_row[None, :]
+    row, col = rows[:, None], cols[None, :]  # 64-bit offsets: rows * stride may pass 2^31
+    x = tl.load(X + row * stride_x_row + col, mask=mask, other=0.0).to(tl.float32)
     if HAS_ROWSCALE:
-        x *= tl.load(ROWSCALE + row).to(tl.float32)
+        x *= tl.load(ROWSCALE + rows, mask=in_rows, other=0.0).to(tl.float32)[:, None]
     if HAS_DROPOUT:
-        # 7 Philox rounds: enough mixing for dropout, fewer registers than the default 10.
-        keep = tl.rand(tl.load(SEEDS + row).to(tl.uint32), cols, n_rounds=7) > dropout_p
+        # 7 Philox rounds: enough mixing for dropout, fewer registers than the default 10. One
+        # seed per row and the column as the counter: the backward draws the same mask.
+        seeds = tl.load(SEEDS + rows, mask=in_rows, other=0).to(tl.uint32)
+        keep = tl.rand(seeds[:, None], col, n_rounds=7) > dropout_p
         x = tl.where(keep, x / (1.0 - dropout_p), 0.0)
         if STORE_DROPOUT_MASK:
-            tl.store(DROPOUT_MASK + row * N + cols, keep, mask=in_row)
+            tl.store(DROPOUT_MASK + row * N + col, keep, mask=mask)
     if HAS_X1:
-        x1 = tl.load(X1 + row * stride_x1_row + cols, mask=in_row, other=0.0).to(tl.float32)
+        x1 = tl.load(X1 + row * stride_x1_row + col, mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            keep1 = tl.rand(tl.load(SEEDS + M + row).to(tl.uint32), cols, n_rounds=7) > dropout_p
+            seeds1 = tl.load(SEEDS + M + rows, mask=in_rows, other=0).to(tl.uint32)
+            keep1 = tl.rand(seeds1[:, None], col, n_rounds=7) > dropout_p
             x1 = tl.where(keep1, x1 / (1.0 - dropout_p), 0.0)
             if STORE_DROPOUT_MASK:
-                tl.store(DROPOUT_MASK1 + row * N + cols, keep1, mask=in_row)
+                tl.store(DROPOUT_MASK1 + row * N + col, keep1, mask=mask)
         x += x1
     if HAS_RESIDUAL:
-        x += tl.load(RESIDUAL + row * stride_res_row + cols, mask=in_row, other=0.0).to(tl.float32)
+        x += tl.load(RESIDUAL + row * stride_res_row + col, mask=mask, other=0.0).to(tl.float32)
     if STORE_RESIDUAL_OUT:
-        tl.store(RESIDUAL_OUT + row * stride_res_out_row + cols, x, mask=in_row)
-    # Two-pass statistics over the row held in registers.
+        tl.store(RESIDUAL_OUT + row * stride_res_out_row + col, x, mask=mask)
+    # Two-pass statistics over the rows held in registers.
     if IS_RMS_NORM:
         xc = x
     else:
-        mean = tl.sum(x, axis=0) / N
-        tl.store(MEAN + row, mean)
-        xc = tl.where(in_row, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
-    xhat = xc * rstd
+        mean = tl.sum(x, axis=1) / N
+        tl.store(MEAN + rows, mean, mask=in_rows)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=in_rows)
+    xhat = xc * rstd[:, None]
     w = tl.load(W + cols, mask=in_row).to(tl.float32)
     if ZERO_CENTERED_WEIGHT:
         w += 1.0
-    y = xhat * w
+    y = xhat * w[None, :]
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=in_row).to(tl.float32)
-    tl.store(Y + row * stride_y_row + cols, y, mask=in_row)
+        y += tl.load(B + cols, mask=in_row).to(tl.float32)[None, :]
+    tl.store(Y + row * stride_y_row + col, y, mask=mask)
     if HAS_W1:
         w1 = tl.load(W1 + cols, mask=in_row).to(tl.float32)
         if ZERO_CENTERED_WEIGHT:
             w1 += 1.0
-        y1 = xhat * w1
+        y1 = xhat * w1[None, :]
         if HAS_B1:
-            y1 += tl.load(B1 + cols, mask=in_row).to(tl.float32)
-        tl.store(Y1 + row * stride_y1_row + cols, y1, mask=in_row)
+            y1 += tl.load(B1 + cols, mask=in_row).to(tl.float32)[None, :]
+        tl.store(Y1 + row * stride_y1_row + col, y1, mask=mask)
 
 
 @triton.jit
@@ -165,115 +174,102 @@ def _layer_norm_bwd_kernel(
     stride_x_row, stride_y_row, stride_dy_row, stride_dx_row, stride_dres_row, stride_dy1_row,
     stride_dx1_row, stride_dres_in_row,
     M, N, dropout_p, rows_per_program,
-    IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr,
-    HAS_DRESIDUAL: tl.constexpr, STORE_DRESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DY1: tl.constexpr,
-    HAS_DX1: tl.constexpr, HAS_B1: tl.constexpr, RECOMPUTE_OUTPUT: tl.constexpr,
+    IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_PER_ITER: tl.constexpr,
+    ZERO_CENTERED_WEIGHT: tl.constexpr, HAS_DRESIDUAL: tl.constexpr,
+    STORE_DRESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_ROWSCALE: tl.constexpr, HAS_DY1: tl.constexpr, HAS_DX1: tl.constexpr,
+    HAS_B1: tl.constexpr, RECOMPUTE_OUTPUT: tl.constexpr,
 ):
+    # Each iteration takes a tile of ROWS_PER_ITER rows of the program's band: the loads of
+    # several rows are in flight at once, and their reductions run side by side.
     pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program
+    row_start = pid.to(tl.int64) * rows_per_program  # 64-bit offsets: rows * stride may pass 2^31
+    row_end = tl.minimum(row_start + rows_per_program, M)
     cols = tl.arange(0, BLOCK_N)
     in_row = cols < N
-    # Pointers advance one row per iteration (no row * stride products inside the loop).
-    X += row_start * stride_x_row
-    DY += row_start * stride_dy_row
-    DX += row_start * stride_dx_row
-    if HAS_DRESIDUAL:
-        DRESIDUAL += row_start * stride_dres_row
-    if STORE_DRESIDUAL:
-        DRESIDUAL_IN += row_start * stride_dres_in_row
-    if HAS_DY1:
-        DY1 += row_start * stride_dy1_row
-    if HAS_DX1:
-        DX1 += row_start * stride_dx1_row
-    if RECOMPUTE_OUTPUT:
-        Y += row_start * stride_y_row
-    w = tl.load(W + cols, mask=in_row).to(tl.float32)
+    tile_rows = tl.arange(0, ROWS_PER_ITER)
+    w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
     if ZERO_CENTERED_WEIGHT:
         w += 1.0
     if RECOMPUTE_OUTPUT and HAS_BIAS:
         b = tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
     if HAS_DY1:
-        w1 = tl.load(W1 + cols, mask=in_row).to(tl.float32)
+        w1 = tl.load(W1 + cols, mask=in_row, other=0.0).to(tl.float32)
         if ZERO_CENTERED_WEIGHT:
             w1 += 1.0
-    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # The weight / bias gradients are summed per tile row and folded once, after the loop.
+    dw = tl.zeros((ROWS_PER_ITER, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS:
-        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        db = tl.zeros((ROWS_PER_ITER, BLOCK_N), dtype=tl.float32)
     if HAS_DY1:
-        dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dw1 = tl.zeros((ROWS_PER_ITER, BLOCK_N), dtype=tl.float32)
         if HAS_B1:
-            db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_end = tl.minimum(row_start + rows_per_program, M)
-    for row in range(row_start, row_end):
-        x = tl.load(X + cols, mask=in_row, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
+            db1 = tl.zeros((ROWS_PER_ITER, BLOCK_N), dtype=tl.float32)
+    for tile_start in range(row_start, row_end, ROWS_PER_ITER):
+        rows = tile_start + tile_rows
+        in_band = rows < row_end
+        # Rows past the band load as zeros: xhat and dy are 0 there, so they add nothing to dw.
+        mask = in_band[:, None] & in_row[None, :]
+        row, col = rows[:, None], cols[None, :]
+        x = tl.load(X + row * stride_x_row + col, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=in_band, other=0.0)[:, None]
         if IS_RMS_NORM:
             xhat = x * rstd
         else:
-            xhat = (x - tl.load(MEAN + row)) * rstd
-        xhat = tl.where(in_row, xhat, 0.0)
+            xhat = (x - tl.load(MEAN + rows, mask=in_band, other=0.0)[:, None]) * rstd
+        xhat = tl.where(mask, xhat, 0.0)
         if RECOMPUTE_OUTPUT:
-            y = xhat * w
+            y = xhat * w[None, :]
             if HAS_BIAS:
-                y += b
-            tl.store(Y + cols, y, mask=in_row)
-        dy = tl.load(DY + cols, mask=in_row, other=0.0).to(tl.float32)
+                y += b[None, :]
+            tl.store(Y + row * stride_y_row + col, y, mask=mask)
+        dy = tl.load(DY + row * stride_dy_row + col, mask=mask, other=0.0).to(tl.float32)
         dw += dy * xhat
         if HAS_BIAS:
             db += dy
-        wdy = w * dy
+        wdy = w[None, :] * dy
         if HAS_DY1:
-            dy1 = tl.load(DY1 + cols, mask=in_row, other=0.0).to(tl.float32)
+            dy1 = tl.load(DY1 + row * stride_dy1_row + col, mask=mask,
+                          other=0.0).to(tl.float32)
             dw1 += dy1 * xhat
             if HAS_B1:
                 db1 += dy1
-            wdy += w1 * dy1
-        c1 = tl.sum(xhat * wdy, axis=0) / N
+            wdy += w1[None, :] * dy1
+        c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
         if IS_RMS_NORM:
             dx = (wdy - xhat * c1) * rstd
         else:
-            c2 = tl.sum(wdy, axis=0) / N
+            c2 = (tl.sum(wdy, axis=1) / N)[:, None]
             dx = (wdy - (xhat * c1 + c2)) * rstd
         # dx is now the gradient of the pre-norm sum.
         if HAS_DRESIDUAL:
-            dx += tl.load(DRESIDUAL + cols, mask=in_row, other=0.0).to(tl.float32)
+            dx += tl.load(DRESIDUAL + row * stride_dres_row + col, mask=mask,
+                          other=0.0).to(tl.float32)
         if STORE_DRESIDUAL:
-            tl.store(DRESIDUAL_IN + cols, dx, mask=in_row)
+            tl.store(DRESIDUAL_IN + row * stride_dres_in_row + col, dx, mask=mask)
         if HAS_DX1:
             if HAS_DROPOUT:
-                seed1 = tl.load(SEEDS + M + row).to(tl.uint32)
-                keep1 = tl.rand(seed1, cols, n_rounds=7) > dropout_p
+                # The forward's draws: one seed per row, the column as the counter.
+                seeds1 = tl.load(SEEDS + M + rows, mask=in_band, other=0).to(tl.uint32)
+                keep1 = tl.rand(seeds1[:, None], col, n_rounds=7) > dropout_p
                 dx1 = tl.where(keep1, dx / (1.0 - dropout_p), 0.0)
             else:
                 dx1 = dx
-            tl.store(DX1 + cols, dx1, mask=in_row)
+            tl.store(DX1 + row * stride_dx1_row + col, dx1, mask=mask)
         if HAS_DROPOUT:
-            keep = tl.rand(tl.load(SEEDS + row).to(tl.uint32), cols, n_rounds=7) > dropout_p
+            seeds = tl.load(SEEDS + rows, mask=in_band, other=0).to(tl.uint32)
+            keep = tl.rand(seeds[:, None], col, n_rounds=7) > dropout_p
             dx = tl.where(keep, dx / (1.0 - dropout_p), 0.0)
         if HAS_ROWSCALE:
-            dx *= tl.load(ROWSCALE + row).to(tl.float32)
-        tl.store(DX + cols, dx, mask=in_row)
-        X += stride_x_row
-        DY += stride_dy_row
-        DX += stride_dx_row
-        if HAS_DRESIDUAL:
-            DRESIDUAL += stride_dres_row
-        if STORE_DRESIDUAL:
-            DRESIDUAL_IN += stride_dres_in_row
-        if HAS_DY1:
-            DY1 += stride_dy1_row
-        if HAS_DX1:
-            DX1 += stride_dx1_row
-        if RECOMPUTE_OUTPUT:
-            Y += stride_y_row
-    tl.store(DW + pid * N + cols, dw, mask=in_row)
+            dx *= tl.load(ROWSCALE + rows, mask=in_band, other=0.0).to(tl.float32)[:, None]
+        tl.store(DX + row * stride_dx_row + col, dx, mask=mask)
+    tl.store(DW + pid * N + cols, tl.sum(dw, axis=0), mask=in_row)
     if HAS_BIAS:
-        tl.store(DB + pid * N + cols, db, mask=in_row)
+        tl.store(DB + pid * N + cols, tl.sum(db, axis=0), mask=in_row)
     if HAS_DY1:
-        tl.store(DW1 + pid * N + cols, dw1, mask=in_row)
+        tl.store(DW1 + pid * N + cols, tl.sum(dw1, axis=0), mask=in_row)
         if HAS_B1:
-            tl.store(DB1 + pid * N + cols, db1, mask=in_row)
+            tl.store(DB1 + pid * N + cols, tl.sum(db1, axis=0), mask=in_row)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,8 +305,20 @@ def _block_n(x, N):
     return triton.next_power_of_2(N)
 
 
-def _num_warps(block_n):
-    return min(max(block_n // 256, 1), 16)
+def _fwd_tile(block_n):
+    """(rows per program, num_warps) of the forward. Rows of 2K elements or more get a program
+    each; shorter rows are grouped up to 2K elements, so that the weights are loaded once for
+    several rows. 8 elements a thread (one 16-byte load of a bf16 tensor)."""
+    rows = min(max(2048 // block_n, 1), 16)
+    return rows, min(max(rows * block_n // 256, 1), 16)
+
+
+def _bwd_tile(block_n):
+    """(rows per loop iteration, num_warps) of the backward: tiles of 4K elements (one row when
+    it is longer), 16 elements a thread up to 16 warps (two 16-byte loads of a bf16 tensor; about
+    128 registers a thread, the budget _bwd_programs_per_sm assumes)."""
+    rows = min(max(4096 // block_n, 1), 16)
+    return rows, min(max(rows * block_n // 512, 1), 16)
 
 
 def _op_name(is_rms_norm):
@@ -381,9 +389,10 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
         if x1 is not None:
             dropout_mask1 = torch.empty(M, N, dtype=torch.bool, device=x.device)
     block_n = _block_n(x, N)
+    rows_per_program, num_warps = _fwd_tile(block_n)
     if M > 0:
         with device:
-            _layer_norm_fwd_kernel[(M,)](
+            _layer_norm_fwd_kernel[(triton.cdiv(M, rows_per_program),)](
                 x, out, weight, bias, residual, x1, weight1, bias1, y1, residual_out, rowscale,
                 seeds, dropout_mask, dropout_mask1, mean, rstd,
                 x.stride(0), out.stride(0),
@@ -392,13 +401,13 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
                 x1.stride(0) if x1 is not None else 0,
                 y1.stride(0) if y1 is not None else 0,
                 M, N, eps, dropout_p,
-                IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n,
+                IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n, ROWS_PER_PROGRAM=rows_per_program,
                 ZERO_CENTERED_WEIGHT=zero_centered_weight,
                 HAS_RESIDUAL=residual is not None, STORE_RESIDUAL_OUT=residual_out is not None,
                 HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
                 STORE_DROPOUT_MASK=dropout_mask is not None, HAS_ROWSCALE=rowscale is not None,
                 HAS_X1=x1 is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
-                num_warps=_num_warps(block_n),
+                num_warps=num_warps,
             )
     return (out, y1, mean, rstd, residual_out if residual_out is not None else x, seeds,
             dropout_mask, dropout_mask1)
@@ -409,11 +418,21 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_programs(x, M):
-    if x.is_cuda:
-        # Several row bands per SM hide the loop's latency; each band costs one partial-sum row.
-        return max(min(M, _sm_count(x.device.index) * 8), 1)
-    return max(min(M, 4), 1)
+def _bwd_programs_per_sm(num_warps):
+    """As many backward programs as fit on an SM at ~128 registers a thread (64K registers): more
+    would only wait for a free SM, and each program costs a row of partial sums (fp32, N wide,
+    per parameter) that is written, then read by the final sum."""
+    return max(512 // (32 * num_warps), 1)
+
+
+def _bwd_bands(x, M, rows_per_iter, num_warps):
+    """(programs, rows per program) of the backward: bands of whole tiles, one band per
+    program, at most _bwd_programs_per_sm programs per SM (4 programs on CPU)."""
+    max_programs = (_sm_count(x.device.index) * _bwd_programs_per_sm(num_warps) if x.is_cuda
+                    else 4)
+    tiles = triton.cdiv(max(M, 1), rows_per_iter)
+    rows_per_program = triton.cdiv(tiles, max_programs) * rows_per_iter
+    return triton.cdiv(max(M, 1), rows_per_program), rows_per_program
 
 
 def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=None, weight1=None,
@@ -444,8 +463,8 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     dx1 = torch.empty_like(dx) if has_x1 and dropout_p > 0.0 else None
     y = (torch.empty(M, N, dtype=dy.dtype, device=x.device) if recompute_output else None)
     block_n = _block_n(x, N)
-    programs = _num_programs(x, M)
-    rows_per_program = math.ceil(M / programs)
+    rows_per_iter, num_warps = _bwd_tile(block_n)
+    programs, rows_per_program = _bwd_bands(x, M, rows_per_iter, num_warps)
     # The per-program partial sums of every parameter gradient in one buffer, so that one
     # reduction (and one cast) finishes them all: at small sizes each extra launch costs more
     # CPU time than the kernel's GPU time.
@@ -467,14 +486,14 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
                 dx1.stride(0) if dx1 is not None else 0,
                 dresidual_in.stride(0) if dresidual_in is not None else 0,
                 M, N, dropout_p, rows_per_program,
-                IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n,
+                IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n, ROWS_PER_ITER=rows_per_iter,
                 ZERO_CENTERED_WEIGHT=zero_centered_weight,
                 HAS_DRESIDUAL=dresidual is not None, STORE_DRESIDUAL=dresidual_in is not None,
                 HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
                 HAS_ROWSCALE=rowscale is not None, HAS_DY1=dy1 is not None,
                 HAS_DX1=dx1 is not None, HAS_B1=bias1 is not None,
                 RECOMPUTE_OUTPUT=y is not None,
-                num_warps=_num_warps(block_n),
+                num_warps=num_warps,
             )
     else:
         partials.zero_()

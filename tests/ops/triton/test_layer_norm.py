@@ -6,11 +6,13 @@ the Triton interpreter on small shapes; the full option grid runs on the GPU.
 """
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from flash_attn.ops.triton import layer_norm as ln
 from flash_attn.ops.triton.layer_norm import (
     LayerNorm,
     RMSNorm,
@@ -317,3 +319,74 @@ def test_layer_norm_linear_fn(is_rms_norm, prenorm):
     for name, a, b in zip(["x", "residual", "norm_weight", "norm_bias", "linear_weight",
                            "linear_bias"], leaves, refs):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+# The multi-row tiles: bands of 5 rows walked 4 rows at a time, so that every band ends in a
+# partial tile and M = 37 is a multiple of neither; the forward takes 4 rows per program.
+MULTI_ROW_CASES = [
+    dict(),
+    dict(residual_dtype="same", prenorm=True, dropout_p=0.3),
+    dict(has_x1=True, has_weight1=True, residual_dtype="same", dropout_p=0.2, prenorm=True),
+    dict(has_x1=True, is_rms_norm=True, has_bias=False, zero_centered_weight=True),
+    dict(is_rms_norm=True, has_bias=False, has_rowscale=True, dropout_p=0.1,
+         residual_dtype=torch.float32, prenorm=True),
+]
+
+
+@pytest.fixture
+def five_row_bands(monkeypatch):
+    monkeypatch.setattr(ln, "_fwd_tile", lambda block_n: (4, 2))
+    monkeypatch.setattr(ln, "_bwd_tile", lambda block_n: (4, 2))
+    monkeypatch.setattr(ln, "_bwd_bands", lambda x, M, rows_per_iter, num_warps:
+                        (-(-M // 5), 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", range(len(MULTI_ROW_CASES)))
+def test_multi_row_tiles(five_row_bands, case, dtype):
+    run_case(37, 96, dtype, **_resolve(MULTI_ROW_CASES[case], dtype))
+
+
+def test_multi_row_backward_regenerates_the_forward_mask(five_row_bands):
+    torch.manual_seed(0)
+    M, N, p = 37, 80, 0.5
+    x = torch.randn(M, N, device=DEVICE, requires_grad=True)
+    x1 = torch.randn(M, N, device=DEVICE, requires_grad=True)
+    w = torch.randn(N, device=DEVICE)
+    y, mask, mask1 = layer_norm_fn(x, w, None, x1=x1, dropout_p=p, return_dropout_mask=True)
+    y.backward(torch.randn_like(y))
+    assert torch.equal(x.grad == 0, ~mask)
+    assert torch.equal(x1.grad == 0, ~mask1)
+
+
+def _is_power_of_2(n):
+    return n >= 1 and n & (n - 1) == 0
+
+
+@pytest.mark.parametrize("tile", [ln._fwd_tile, ln._bwd_tile])
+def test_tile_helpers_return_valid_configs(tile):
+    for block_n in (2**k for k in range(17)):
+        rows, num_warps = tile(block_n)
+        assert _is_power_of_2(rows) and rows <= 16, (block_n, rows)
+        assert _is_power_of_2(num_warps) and num_warps <= 16, (block_n, num_warps)
+        # Whole warps of elements, except where the tile is smaller than one warp.
+        assert rows * block_n >= 32 * num_warps or num_warps == 1, (block_n, rows, num_warps)
+        # One row at a time once a row alone fills the tile.
+        assert rows == 1 or rows * block_n <= 4096, (block_n, rows)
+    # The hidden sizes the tiles were sized for: 4K to 8K elements.
+    for block_n in (1024, 2048, 4096, 8192):
+        rows, _ = ln._bwd_tile(block_n)
+        assert 4096 <= rows * block_n <= 8192, (block_n, rows)
+
+
+@pytest.mark.parametrize("is_cuda", [False, True])
+def test_bwd_bands_cover_the_rows_in_whole_tiles(monkeypatch, is_cuda):
+    monkeypatch.setattr(ln, "_sm_count", lambda device_index: 132)
+    x = SimpleNamespace(is_cuda=is_cuda, device=SimpleNamespace(index=0))
+    for M, block_n in itertools.product((1, 3, 37, 1000, 16384, 100003), (128, 1024, 8192)):
+        rows_per_iter, num_warps = ln._bwd_tile(block_n)
+        programs, rows_per_program = ln._bwd_bands(x, M, rows_per_iter, num_warps)
+        assert rows_per_program % rows_per_iter == 0
+        assert (programs - 1) * rows_per_program < M <= programs * rows_per_program
+        max_programs = 132 * ln._bwd_programs_per_sm(num_warps) if is_cuda else 4
+        assert programs <= max_programs, (M, block_n, programs)
