@@ -23,6 +23,7 @@
 #include "score_mods.h"
 #include "sequence_info.h"
 #include "softmax.h"
+#include "tile_sizes.h"
 #include "utils.h"
 #include "wgmma.h"
 
@@ -112,6 +113,10 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor tKVpKV = col_predicates(tKVcKV, params.head_dim);
 
     const bool even_k = params.head_dim == kHeadDim;
+    // The decode tile is bound by memory, and one tile in flight per CTA is too little: it starts
+    // K[n - 1]'s load as soon as S no longer reads K[n], beside V[n]'s, for one more barrier per
+    // block. The larger tiles do enough math per block to hide a single load.
+    constexpr bool kEarlyKLoad = kBlockM == kDecodeBlockM;
     // One key block of K or V into shared memory: contiguous rows move as one strided window; paged
     // rows each start where the block table puts them (a page may be shorter than the block): the
     // block's lookups (paged_rows) were stored before a barrier the load comes after.
@@ -225,9 +230,13 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
             paged_rows.store(n_block - 1, tidx, next_row);
             next_row = ahead_row;
         }
-        cute::cp_async_wait<0>();
-        if constexpr (kWgmma) { fence_smem_for_wgmma(); }
-        __syncthreads();  // V[n] landed; every warp is done reading K[n]
+        if constexpr (kEarlyKLoad) {
+            __syncthreads();  // every warp is done reading K[n]: K[n - 1] loads beside V[n]
+        } else {
+            cute::cp_async_wait<0>();
+            if constexpr (kWgmma) { fence_smem_for_wgmma(); }
+            __syncthreads();  // V[n] landed; every warp is done reading K[n]
+        }
         if (n_block > n_block_min) {
             load_k(n_block - 1);
             cute::cp_async_fence();
@@ -246,6 +255,15 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
 
         Tensor rP = convert_type<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
+        if constexpr (kEarlyKLoad) {
+            if (n_block > n_block_min) {
+                cute::cp_async_wait<1>();  // V[n]; K[n - 1] may still be in flight
+            } else {
+                cute::cp_async_wait<0>();
+            }
+            if constexpr (kWgmma) { fence_smem_for_wgmma(); }
+            __syncthreads();  // V[n] landed
+        }
         if constexpr (kWgmma) {
             wgmma_gemm<false, true>(tiled_mma_o, tOrP,
                                     tiled_mma_o.get_thread_slice(tidx).partition_fragment_B(
