@@ -175,7 +175,7 @@ def _layer_norm_bwd_kernel(
     stride_dx1_row, stride_dres_in_row,
     M, N, dropout_p, rows_per_program,
     IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_PER_ITER: tl.constexpr,
-    ZERO_CENTERED_WEIGHT: tl.constexpr, HAS_DRESIDUAL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr, HAS_DRESIDUAL: tl.constexpr,
     STORE_DRESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_DY1: tl.constexpr, HAS_DX1: tl.constexpr,
     HAS_B1: tl.constexpr, RECOMPUTE_OUTPUT: tl.constexpr,
@@ -205,7 +205,7 @@ def _layer_norm_bwd_kernel(
         dw1 = tl.zeros((ROWS_PER_ITER, BLOCK_N), dtype=tl.float32)
         if HAS_B1:
             db1 = tl.zeros((ROWS_PER_ITER, BLOCK_N), dtype=tl.float32)
-    for tile_start in range(row_start, row_end, ROWS_PER_ITER):
+    for tile_start in tl.range(row_start, row_end, ROWS_PER_ITER, num_stages=NUM_STAGES):
         rows = tile_start + tile_rows
         in_band = rows < row_end
         # Rows past the band load as zeros: xhat and dy are 0 there, so they add nothing to dw.
@@ -306,19 +306,26 @@ def _block_n(x, N):
 
 
 def _fwd_tile(block_n):
-    """(rows per program, num_warps) of the forward. Rows of 2K elements or more get a program
-    each; shorter rows are grouped up to 2K elements, so that the weights are loaded once for
-    several rows. 8 elements a thread (one 16-byte load of a bf16 tensor)."""
-    rows = min(max(2048 // block_n, 1), 16)
-    return rows, min(max(rows * block_n // 256, 1), 16)
+    """(rows per program, num_warps) of the forward: a row of 1K elements or more gets a program,
+    4 warps up to 2K elements and block_n / 512 (up to 16) beyond; shorter rows are grouped up
+    to 1K elements a program.
+    Chosen by a sweep on the H200 (bf16, hidden 1K-8K, LayerNorm with residual and RMSNorm):
+    more rows or warps per program were slower there."""
+    rows = min(max(1024 // block_n, 1), 16)
+    tile = rows * block_n
+    return rows, (min(max(tile // 256, 1), 4) if tile <= 2048 else min(tile // 512, 16))
 
 
 def _bwd_tile(block_n):
-    """(rows per loop iteration, num_warps) of the backward: tiles of 4K elements (one row when
-    it is longer), 16 elements a thread up to 16 warps (two 16-byte loads of a bf16 tensor; about
-    128 registers a thread, the budget _bwd_programs_per_sm assumes)."""
-    rows = min(max(4096 // block_n, 1), 16)
-    return rows, min(max(rows * block_n // 512, 1), 16)
+    """(rows per loop iteration, num_warps) of the backward: one row a step, block_n / 256 warps
+    (1 to 16). The H200 sweep found no gain in several rows a step (2-D tiles of up to 8K elements
+    at every hidden size from 1K to 8K); the knob stays for other GPUs."""
+    return 1, min(max(block_n // 256, 1), 16)
+
+
+def _bwd_num_stages(block_n):
+    """Software-pipelining depth of the backward's row loop (tl.range num_stages): 1, none."""
+    return 1
 
 
 def _op_name(is_rms_norm):
@@ -418,17 +425,17 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _bwd_programs_per_sm(num_warps):
-    """As many backward programs as fit on an SM at ~128 registers a thread (64K registers): more
-    would only wait for a free SM, and each program costs a row of partial sums (fp32, N wide,
-    per parameter) that is written, then read by the final sum."""
-    return max(512 // (32 * num_warps), 1)
+def _bwd_programs_per_sm(block_n):
+    """Backward programs per SM: 8K elements of rows in flight per SM (8 programs at hidden 1K, 1
+    at 8K), from the H200 sweep; each program also costs a row of partial sums (fp32, N wide, per
+    parameter) that is written, then read by the final sum."""
+    return min(max(8192 // block_n, 1), 32)
 
 
-def _bwd_bands(x, M, rows_per_iter, num_warps):
+def _bwd_bands(x, M, rows_per_iter, block_n):
     """(programs, rows per program) of the backward: bands of whole tiles, one band per
     program, at most _bwd_programs_per_sm programs per SM (4 programs on CPU)."""
-    max_programs = (_sm_count(x.device.index) * _bwd_programs_per_sm(num_warps) if x.is_cuda
+    max_programs = (_sm_count(x.device.index) * _bwd_programs_per_sm(block_n) if x.is_cuda
                     else 4)
     tiles = triton.cdiv(max(M, 1), rows_per_iter)
     rows_per_program = triton.cdiv(tiles, max_programs) * rows_per_iter
@@ -464,7 +471,7 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     y = (torch.empty(M, N, dtype=dy.dtype, device=x.device) if recompute_output else None)
     block_n = _block_n(x, N)
     rows_per_iter, num_warps = _bwd_tile(block_n)
-    programs, rows_per_program = _bwd_bands(x, M, rows_per_iter, num_warps)
+    programs, rows_per_program = _bwd_bands(x, M, rows_per_iter, block_n)
     # The per-program partial sums of every parameter gradient in one buffer, so that one
     # reduction (and one cast) finishes them all: at small sizes each extra launch costs more
     # CPU time than the kernel's GPU time.
@@ -487,7 +494,7 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
                 dresidual_in.stride(0) if dresidual_in is not None else 0,
                 M, N, dropout_p, rows_per_program,
                 IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n, ROWS_PER_ITER=rows_per_iter,
-                ZERO_CENTERED_WEIGHT=zero_centered_weight,
+                NUM_STAGES=_bwd_num_stages(block_n), ZERO_CENTERED_WEIGHT=zero_centered_weight,
                 HAS_DRESIDUAL=dresidual is not None, STORE_DRESIDUAL=dresidual_in is not None,
                 HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
                 HAS_ROWSCALE=rowscale is not None, HAS_DY1=dy1 is not None,
