@@ -31,18 +31,6 @@ namespace flash {
 
 using namespace cute;
 
-// Pulls the `bytes` (at most kMaxBytes) of one row into the L2, a 128-byte line at a time (no
-// register is written).
-template <int kMaxBytes>
-__device__ __forceinline__ void prefetch_l2_row(const void *row, int bytes) {
-    CUTE_UNROLL
-    for (int offset = 0; offset < kMaxBytes; offset += 128) {
-        if (offset < bytes) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char *>(row) + offset));
-        }
-    }
-}
-
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
 flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
@@ -127,9 +115,8 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     const bool even_k = params.head_dim == kHeadDim;
     // The decode tile is bound by memory, and one tile in flight per CTA is too little: it starts
     // K[n - 1]'s load as soon as S no longer reads K[n], beside V[n]'s, for one more barrier per
-    // block, and prefetches paged rows (below). The larger tiles do enough math per block to hide
-    // a single load, and keep their registers.
-    constexpr bool kMemoryBound = kBlockM == kDecodeBlockM;
+    // block. The larger tiles do enough math per block to hide a single load.
+    constexpr bool kEarlyKLoad = kBlockM == kDecodeBlockM;
     // One key block of K or V into shared memory: contiguous rows move as one strided window; paged
     // rows each start where the block table puts them (a page may be shorter than the block): the
     // block's lookups (paged_rows) were stored before a barrier the load comes after.
@@ -144,18 +131,6 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
             copy_tile_rows(gmem_tiled_copy, tgmem, tsmem, tKVcKV, tKVpKV, rows,
                            [&](int row) { return paged_rows.shift(n_block, row, batch_stride, row_stride); });
         }
-    };
-    // Paged, memory-bound tile: the rows of a key block two ahead are pulled into the L2 (K and V)
-    // once their page is known, an iteration before their loads: a shuffled block table sends each key block to several
-    // pages, and the loads would otherwise meet each page's address translation and DRAM latency
-    // on their own. A thread past kBlockN has no row.
-    auto prefetch_rows = [&](typename PagedRows<kBlockN>::Row row) {
-        if (tidx >= kBlockN) { return; }
-        const int64_t k_row = int64_t(row.page) * params.k_batch_stride + int64_t(row.in_page) * params.k_row_stride;
-        const int64_t v_row = int64_t(row.page) * params.v_batch_stride + int64_t(row.in_page) * params.v_row_stride;
-        const int row_bytes = params.head_dim * int(sizeof(Element));
-        prefetch_l2_row<kHeadDim * int(sizeof(Element))>(k_base + k_row, row_bytes);
-        prefetch_l2_row<kHeadDim * int(sizeof(Element))>(v_base + v_row, row_bytes);
     };
     auto load_k = [&](int n_block) {
         load_kv(tKgK, tKgK_base, tKsK, n_block, params.k_batch_stride, params.k_row_stride);
@@ -255,7 +230,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
             paged_rows.store(n_block - 1, tidx, next_row);
             next_row = ahead_row;
         }
-        if constexpr (kMemoryBound) {
+        if constexpr (kEarlyKLoad) {
             __syncthreads();  // every warp is done reading K[n]: K[n - 1] loads beside V[n]
         } else {
             cute::cp_async_wait<0>();
@@ -280,7 +255,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
 
         Tensor rP = convert_type<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
-        if constexpr (kMemoryBound) {
+        if constexpr (kEarlyKLoad) {
             if (n_block > n_block_min) {
                 cute::cp_async_wait<1>();  // V[n]; K[n - 1] may still be in flight
             } else {
@@ -299,9 +274,6 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         } else {
             gemm<true>(acc_o, tOrP, tOrVt, tOrP, tOsVt, tiled_mma, smem_tiled_copy_V, smem_tiled_copy_V,
                        smem_thr_copy_V, smem_thr_copy_V);
-        }
-        if constexpr (kMemoryBound) {
-            if (paged && n_block - 1 > n_block_min) { prefetch_rows(next_row); }  // block n - 2's rows
         }
     }
 
