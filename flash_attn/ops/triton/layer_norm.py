@@ -324,8 +324,10 @@ def _bwd_tile(block_n):
 
 
 def _bwd_num_stages(block_n):
-    """Software-pipelining depth of the backward's row loop (tl.range num_stages): 1, none."""
-    return 1
+    """Software-pipelining depth of the backward's row loop (tl.range num_stages): the next rows'
+    loads are issued while this row reduces. 3 was the best of 1/2/3 at every hidden size of the
+    H200 sweep (backward 57-65% of copy with 1, 60-80% with 3)."""
+    return 3
 
 
 def _op_name(is_rms_norm):
