@@ -213,9 +213,8 @@ def test_dropout_mask_matches_zeros_and_reproduces():
     assert not torch.equal(mask, mask3)
 
 
-def test_backward_regenerates_the_forward_mask():
+def check_backward_regenerates_the_forward_mask(M, N, p=0.5):
     torch.manual_seed(0)
-    M, N, p = 24, 128, 0.5
     x = torch.randn(M, N, device=DEVICE, requires_grad=True)
     x1 = torch.randn(M, N, device=DEVICE, requires_grad=True)
     w = torch.randn(N, device=DEVICE)
@@ -224,6 +223,10 @@ def test_backward_regenerates_the_forward_mask():
     assert torch.equal(x.grad == 0, ~mask)
     assert torch.equal(x1.grad == 0, ~mask1)
     assert not torch.equal(mask, mask1)  # independent draws for x and x1
+
+
+def test_backward_regenerates_the_forward_mask():
+    check_backward_regenerates_the_forward_mask(24, 128)
 
 
 def test_out_and_residual_out_buffers_are_written():
@@ -348,15 +351,7 @@ def test_multi_row_tiles(five_row_bands, case, dtype):
 
 
 def test_multi_row_backward_regenerates_the_forward_mask(five_row_bands):
-    torch.manual_seed(0)
-    M, N, p = 37, 80, 0.5
-    x = torch.randn(M, N, device=DEVICE, requires_grad=True)
-    x1 = torch.randn(M, N, device=DEVICE, requires_grad=True)
-    w = torch.randn(N, device=DEVICE)
-    y, mask, mask1 = layer_norm_fn(x, w, None, x1=x1, dropout_p=p, return_dropout_mask=True)
-    y.backward(torch.randn_like(y))
-    assert torch.equal(x.grad == 0, ~mask)
-    assert torch.equal(x1.grad == 0, ~mask1)
+    check_backward_regenerates_the_forward_mask(37, 80)
 
 
 def _is_power_of_2(n):
