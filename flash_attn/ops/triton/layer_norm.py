@@ -4,8 +4,9 @@
     y = norm(x) * weight + bias,  y1 = norm(x) * weight1 + bias1    (statistics in fp32)
 
 The forward keeps whole rows in registers (one or a few rows per program); the backward walks a
-band of rows per program, a tile of rows at a time, and keeps the weight / bias gradient sums in
-registers, then adds the bands up in PyTorch. The tile shapes come from _fwd_tile / _bwd_tile.
+band of rows per program, a tile of rows at a time in a software-pipelined loop, and keeps the
+weight / bias gradient sums in registers, then adds the bands up in PyTorch. The tile shapes and
+the pipelining depth come from _fwd_tile / _bwd_tile / _bwd_num_stages (measured on the H200).
 Dropout draws come from `tl.rand` with one seed per row taken from PyTorch's generator, so the
 backward regenerates the mask instead of reading it. Runs on CPU tensors under TRITON_INTERPRET=1.
 """
@@ -180,8 +181,8 @@ def _layer_norm_bwd_kernel(
     HAS_ROWSCALE: tl.constexpr, HAS_DY1: tl.constexpr, HAS_DX1: tl.constexpr,
     HAS_B1: tl.constexpr, RECOMPUTE_OUTPUT: tl.constexpr,
 ):
-    # Each iteration takes a tile of ROWS_PER_ITER rows of the program's band: the loads of
-    # several rows are in flight at once, and their reductions run side by side.
+    # Each iteration takes a tile of ROWS_PER_ITER rows of the program's band, and the loop is
+    # pipelined NUM_STAGES deep: the next tiles' loads are in flight while this one reduces.
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program  # 64-bit offsets: rows * stride may pass 2^31
     row_end = tl.minimum(row_start + rows_per_program, M)
