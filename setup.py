@@ -163,14 +163,10 @@ def attention_sources(folder, archs):
     """Generated instantiation units of the attention kernels selected by FLASH_ATTN_HDIMS/DTYPES
     (default: generate_kernels.default_head_dims for the archs; "all": every head dim)."""
     generator = load_module("generate_kernels", f"{folder}/generate_kernels.py")
-    all_hdims, all_dtypes = generator.HEAD_DIMS, tuple(generator.DTYPES)  # the kernel set lives there
-    requested = env_list("FLASH_ATTN_HDIMS", generator.default_head_dims(archs))
-    hdims = sorted(int(d) for d in (all_hdims if requested == ["all"] else requested))
-    dtypes = env_list("FLASH_ATTN_DTYPES", all_dtypes)
-    unknown = [d for d in hdims if d not in all_hdims] + [t for t in dtypes if t not in all_dtypes]
-    if unknown or not hdims or not dtypes:
-        sys.exit(f"flash_attn: FLASH_ATTN_HDIMS/FLASH_ATTN_DTYPES name no or unknown values {unknown}; "
-                 f"choose from {all_hdims} and {all_dtypes}")
+    try:
+        hdims, dtypes = generator.selected_kernel_set(archs, os.environ)  # the kernel set lives there
+    except ValueError as error:
+        sys.exit(f"flash_attn: {error}")
     generated = generator.write_instantiations(ROOT / folder / "src" / "generated", hdims, dtypes)
     return [os.path.relpath(p, ROOT) for p in sorted(generated, key=compile_cost, reverse=True)]
 

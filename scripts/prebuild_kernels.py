@@ -49,12 +49,10 @@ def main():
                                  "-I", str(ATTENTION), "-I", str(ATTENTION / "src"), "-I", cutlass]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # The kernel set setup.py builds for these archs (FLASH_ATTN_HDIMS / FLASH_ATTN_DTYPES as there).
-    hdims = os.getenv("FLASH_ATTN_HDIMS", "").replace(";", ",").replace(" ", ",")
-    hdims = [h for h in hdims.split(",") if h] or list(generator.default_head_dims(archs))
-    hdims = generator.HEAD_DIMS if hdims == ["all"] else [int(h) for h in hdims]
-    dtypes = [t for t in os.getenv("FLASH_ATTN_DTYPES", "").replace(";", ",").split(",") if t.strip()]
-    dtypes = [t.strip() for t in dtypes] or list(generator.DTYPES)
+    try:  # the kernel set setup.py builds for these archs
+        hdims, dtypes = generator.selected_kernel_set(archs, os.environ)
+    except ValueError as error:
+        sys.exit(f"prebuild_kernels: {error}")
     units = [u for u in generator.write_instantiations(ATTENTION / "src" / "generated", hdims, dtypes)
              if args.match in u.name]
 
