@@ -374,6 +374,10 @@ def main(argv=None):
         trainer = Trainer(run, processes)
         trainer.train()
         trainer.sample()
+        # The other processes wait out the main one's sample, so that all leave the process group
+        # together: one that tore gloo down while the main process still sampled was seen to abort
+        # ("terminate called without an active exception", FSDP on CPU).
+        processes.barrier()
         if processes.is_main:
             print(f"done in {time.perf_counter() - started:.0f} s; {trainer.out}: checkpoints/, "
                   "metrics.json, loss.png, sample.txt", flush=True)
