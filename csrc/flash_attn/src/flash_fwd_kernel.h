@@ -113,9 +113,10 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     Tensor tKVpKV = col_predicates(tKVcKV, params.head_dim);
 
     const bool even_k = params.head_dim == kHeadDim;
-    // The decode tile is bound by memory, and one tile in flight per CTA is too little: it starts
-    // K[n - 1]'s load as soon as S no longer reads K[n], beside V[n]'s, for one more barrier per
-    // block. The larger tiles do enough math per block to hide a single load.
+    // The decode tile is bound by memory, and one tile in flight per CTA is too little: it keeps
+    // two (K[n - 1] starts as soon as S no longer reads K[n], beside V[n]; V[n] as soon as P V no
+    // longer reads V[n + 1], beside K[n]), for two more barriers per block. The larger tiles do
+    // enough math per block to hide a single load.
     constexpr bool kEarlyKLoad = kBlockM == kDecodeBlockM;
     // One key block of K or V into shared memory: contiguous rows move as one strided window; paged
     // rows each start where the block table puts them (a page may be shorter than the block): the
@@ -197,11 +198,21 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
 
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
         Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        cute::cp_async_wait<0>();
-        if constexpr (kWgmma) { fence_smem_for_wgmma(); }
-        __syncthreads();  // K[n] landed; every warp is done reading V[n + 1]
-        load_v(n_block);
-        cute::cp_async_fence();
+        if constexpr (kEarlyKLoad) {
+            // V[n] starts before K[n] is waited for, so that two tiles are in flight at every wait.
+            __syncthreads();  // every warp is done reading V[n + 1]
+            load_v(n_block);
+            cute::cp_async_fence();
+            cute::cp_async_wait<1>();
+            if constexpr (kWgmma) { fence_smem_for_wgmma(); }
+            __syncthreads();  // K[n] landed
+        } else {
+            cute::cp_async_wait<0>();
+            if constexpr (kWgmma) { fence_smem_for_wgmma(); }
+            __syncthreads();  // K[n] landed; every warp is done reading V[n + 1]
+            load_v(n_block);
+            cute::cp_async_fence();
+        }
         // Paged: block n - 2's rows are read from the block table now; block n - 1's (read an
         // iteration ago) are stored before the barrier its K load follows (the buffer they go to was
         // last read by load_v(n_block + 1)).
