@@ -181,25 +181,27 @@ int64_t linear_act_forward_num_algos(const at::Tensor& input, const at::Tensor& 
   return count;
 }
 
-std::vector<at::Tensor> linear_bias_wgrad(const at::Tensor& input, const at::Tensor& d_output, bool has_d_bias) {
+std::vector<at::Tensor> linear_bias_wgrad(const at::Tensor& input, const at::Tensor& d_output, bool has_d_bias,
+                                          bool fp32_grads) {
   const char* op = "linear_bias_wgrad";
   check_arg(op, input, "input", kHalfTypes, input.device(), {kAny, kAny});
   const int64_t batch_size = input.size(0), in_features = input.size(1);
   check_arg(op, d_output, "d_output", {input.scalar_type()}, input.device(), {batch_size, kAny});
   const int64_t out_features = d_output.size(1);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  at::Tensor d_weight = at::empty({out_features, in_features}, input.options());
-  at::Tensor d_bias = has_d_bias ? at::empty({out_features}, input.options()) : at::Tensor();
+  const auto grad_options = fp32_grads ? input.options().dtype(at::kFloat) : input.options();
+  at::Tensor d_weight = at::empty({out_features, in_features}, grad_options);
+  at::Tensor d_bias = has_d_bias ? at::empty({out_features}, grad_options) : at::Tensor();
   fused_dense::WgradParams params = {dtype_of(input), input.data_ptr(), d_output.data_ptr(), d_weight.data_ptr(),
                                      has_d_bias ? d_bias.data_ptr() : nullptr, batch_size, in_features,
-                                     out_features};
+                                     out_features, fp32_grads};
   const fused_dense::LtContext ctx = make_context(input, true);
   fused_dense::Status status = fused_dense::linear_bias_wgrad(ctx, params);
   if (status.code == fused_dense::Status::kNoAlgorithm && has_d_bias) {
     // The BGRADB epilogue is refused for this shape: a plain GEMM, and the bias gradient on its own.
     params.d_bias = nullptr;
     status = fused_dense::linear_bias_wgrad(ctx, params);
-    if (status.ok()) d_bias = d_output.sum(0);
+    if (status.ok()) d_bias = d_output.sum({0}, /*keepdim=*/false, fp32_grads ? at::kFloat : input.scalar_type());
   }
   check_status(op, status);
   return {d_weight, d_bias};
@@ -259,8 +261,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("heuristic"));
   m.def("linear_bias_wgrad", &linear_bias_wgrad,
         "[d_weight = d_output.T @ input, d_bias = d_output.sum(0) or None], the bias gradient from the BGRADB "
-        "epilogue of the same GEMM (a plain GEMM and a sum where the epilogue is refused)",
-        py::arg("input"), py::arg("d_output"), py::arg("has_d_bias"));
+        "epilogue of the same GEMM (a plain GEMM and a sum where the epilogue is refused); fp32_grads: both in "
+        "fp32 (the gradients of fp32 parameters under autocast) instead of input's dtype",
+        py::arg("input"), py::arg("d_output"), py::arg("has_d_bias"), py::arg("fp32_grads") = false);
   m.def("bias_act_linear_dgrad_bgrad", &bias_act_linear_dgrad_bgrad,
         "[d_input = act'(pre_act) * (d_output @ weight), d_bias = d_input.sum(0)] through the DGELU_BGRAD or "
         "DRELU_BGRAD epilogue; pre_act is what linear_act_forward saved",

@@ -69,6 +69,7 @@ struct GemmSpec {
   void* d;
   int64_t ldd;
   cublasLtEpilogue_t epilogue;
+  bool fp32_output = false;    // D (and a bias gradient) in fp32 instead of dtype
   const void* bias = nullptr;  // bias (input) or bias gradient (output)
   const void* aux = nullptr;   // GELU input or ReLU bit-mask
   int64_t aux_ld = 0;
@@ -108,7 +109,8 @@ class LtGemm {
              cublasLtMatrixLayoutCreate(&layout_a_, s.dtype, a_plain ? s.m : s.k, a_plain ? s.k : s.m, s.lda));
     LT_CHECK("cublasLtMatrixLayoutCreate(B)",
              cublasLtMatrixLayoutCreate(&layout_b_, s.dtype, b_plain ? s.k : s.n, b_plain ? s.n : s.k, s.ldb));
-    LT_CHECK("cublasLtMatrixLayoutCreate(D)", cublasLtMatrixLayoutCreate(&layout_d_, s.dtype, s.m, s.n, s.ldd));
+    LT_CHECK("cublasLtMatrixLayoutCreate(D)",
+             cublasLtMatrixLayoutCreate(&layout_d_, s.fp32_output ? CUDA_R_32F : s.dtype, s.m, s.n, s.ldd));
 
     LT_CHECK("cublasLtMatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&preference_));
     const uint64_t max_workspace = workspace_bytes;
@@ -183,12 +185,12 @@ struct Candidates {
   int count = 0;
 };
 
-using ProblemKey = std::tuple<int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int,
+using ProblemKey = std::tuple<int, int, bool, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int,
                               bool, bool, int64_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, size_t>;
 
 ProblemKey problem_key(const LtContext& ctx, const GemmSpec& s) {
-  return ProblemKey(ctx.device, s.dtype, s.trans_a, s.trans_b, s.m, s.n, s.k, s.lda, s.ldb, s.ldd, s.epilogue,
-                    s.bias != nullptr, s.aux != nullptr, s.aux_ld, alignment_of(s.a), alignment_of(s.b),
+  return ProblemKey(ctx.device, s.dtype, s.fp32_output, s.trans_a, s.trans_b, s.m, s.n, s.k, s.lda, s.ldb, s.ldd,
+                    s.epilogue, s.bias != nullptr, s.aux != nullptr, s.aux_ld, alignment_of(s.a), alignment_of(s.b),
                     alignment_of(s.d), alignment_of(s.bias), alignment_of(s.aux), ctx.workspace_bytes);
 }
 
@@ -292,6 +294,8 @@ GemmSpec wgrad_spec(const WgradParams& p, bool with_bias_grad) {
   s.d = p.d_weight;
   s.ldd = p.in_features;
   s.epilogue = with_bias_grad ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT;
+  // The bias gradient takes D's type (CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE left at its default).
+  s.fp32_output = p.fp32_grads;
   s.bias = with_bias_grad ? p.d_bias : nullptr;
   return s;
 }

@@ -48,7 +48,8 @@ struct LinearActParams {
 };
 
 // d_weight[o, i] = sum_b d_output[b, o] * input[b, i]; d_bias[o] = sum_b d_output[b, o] when
-// d_bias is not null (the BGRADB epilogue).
+// d_bias is not null (the BGRADB epilogue). fp32_grads: d_weight and d_bias are fp32, as the
+// gradients of fp32 parameters under autocast are, so that no cast follows the GEMM.
 struct WgradParams {
   DType dtype;
   const void* input;     // [batch_size, in_features]
@@ -56,6 +57,7 @@ struct WgradParams {
   void* d_weight;        // [out_features, in_features]
   void* d_bias;          // [out_features] or null
   int64_t batch_size, in_features, out_features;
+  bool fp32_grads = false;
 };
 
 // d_input[b, i] = act'(pre_act[b, i]) * sum_o d_output[b, o] * weight[o, i];

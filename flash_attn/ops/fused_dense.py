@@ -156,34 +156,42 @@ def _wgrad_fusable(x, rows, *layer_sizes):
     return [takes_x and _sizes_ok(rows, sizes) for sizes in layer_sizes]
 
 
-def _wgrad(input, grad_output, need_bias, fused):
+def _fp32_grads(x, weight, bias):
+    """Whether the fused weight gradient comes out in fp32: the layer computes in half precision
+    (x, already cast) on fp32 parameters, the autocast case, whose gradients autograd would
+    otherwise cast to fp32 in a kernel of its own after the GEMM."""
+    return (x.dtype in _HALF_DTYPES and weight.dtype == torch.float32
+            and (bias is None or bias.dtype == torch.float32))
+
+
+def _wgrad(input, grad_output, need_bias, fused, fp32_grads=False):
     """(grad_weight, grad_bias or None) of a Linear from 2-D input and grad_output; fused: one
-    cuBLASLt GEMM with the bias gradient in its epilogue (see _wgrad_fusable), else PyTorch's mm
-    and sum."""
+    cuBLASLt GEMM with the bias gradient in its epilogue (see _wgrad_fusable), writing fp32
+    gradients with fp32_grads (_fp32_grads), else PyTorch's mm and sum."""
     if fused:
         grad_output = _to_dtype(grad_output, input.dtype).contiguous()
-        return tuple(_ext().linear_bias_wgrad(input.contiguous(), grad_output, need_bias))
+        return tuple(_ext().linear_bias_wgrad(input.contiguous(), grad_output, need_bias, fp32_grads))
     grad_weight = grad_output.t().mm(_to_dtype(input, grad_output.dtype))
     return grad_weight, (grad_output.sum(0) if need_bias else None)
 
 
-def _weight_grads(input, grad_output, need_weight, need_bias, fused):
+def _weight_grads(input, grad_output, need_weight, need_bias, fused, fp32_grads=False):
     """(grad_weight, grad_bias) of a Linear from its 2-D input and output gradient, None where not
     needed: both from one GEMM (_wgrad), or the bias's sum alone."""
     if need_weight:
-        return _wgrad(input, grad_output, need_bias, fused)
+        return _wgrad(input, grad_output, need_bias, fused, fp32_grads)
     return None, (grad_output.sum(0) if need_bias else None)
 
 
 def _linear_grads(grad_output, weight, total_x, handle_x, needs_input_grad, fused_wgrad,
-                  residual_grad, process_group, sequence_parallel, batch_shape):
+                  residual_grad, process_group, sequence_parallel, batch_shape, fp32_grads=False):
     """(grad_input, grad_weight, grad_bias) of y = x W^T + b for 2-D grad_output (rows, out).
 
     The input gradient, plus residual_grad when the layer also returned its input, is reshaped to
     (*batch_shape, in) and reduced over process_group (reduce-scatter with sequence_parallel, else
     all-reduce) while the weight gradient runs; with a process group the residual's gradient,
     already local, is added after the reduction. total_x: the layer's input, still being gathered
-    while handle_x is not None."""
+    while handle_x is not None. fp32_grads: see _wgrad."""
     need_input, need_weight, need_bias = needs_input_grad
     rows = grad_output.shape[0]
     grad_input = handle_grad_input = None
@@ -202,7 +210,8 @@ def _linear_grads(grad_output, weight, total_x, handle_x, needs_input_grad, fuse
             handle_x.wait()
             handle_x = None
         total_x = _as_rows(total_x, rows)
-    grad_weight, grad_bias = _weight_grads(total_x, grad_output, need_weight, need_bias, fused_wgrad)
+    grad_weight, grad_bias = _weight_grads(total_x, grad_output, need_weight, need_bias, fused_wgrad,
+                                           fp32_grads)
     if handle_x is not None:
         handle_x.wait()
     if handle_grad_input is not None:
@@ -231,6 +240,7 @@ class FusedDenseFunc(torch.autograd.Function):
             x = x.to(_autocast_dtype(x))
         x = x.contiguous()
         total_x, handle_x = _gather_rows(x, process_group, sequence_parallel)
+        ctx.fp32_grads = _fp32_grads(x, weight, bias)
         if autocast:  # cast while the gather is in flight
             weight, bias = _cast(x.dtype, weight, bias)
         if handle_x is not None:
@@ -253,7 +263,7 @@ class FusedDenseFunc(torch.autograd.Function):
         grad_output = _as_rows(grad_output, batch_shape.numel())
         grads = _linear_grads(grad_output, weight, total_x, handle_x, ctx.needs_input_grad[:3],
                               ctx.fused_wgrad, args[0] if ctx.return_residual else None,
-                              ctx.process_group, ctx.sequence_parallel, batch_shape)
+                              ctx.process_group, ctx.sequence_parallel, batch_shape, ctx.fp32_grads)
         return (*grads, None, None, None)
 
 
@@ -395,6 +405,7 @@ class FusedMLPFunc(torch.autograd.Function):
         x = x.contiguous()
         sequence_parallel = process_group is not None and sequence_parallel
         total_x, handle_x = _gather_rows(x, process_group, sequence_parallel)
+        ctx.fp32_grads = (_fp32_grads(x, weight1, bias1), _fp32_grads(x, weight2, bias2))
         if autocast:  # cast while the gather is in flight
             weight1, bias1, weight2, bias2 = _cast(x.dtype, weight1, bias1, weight2, bias2)
         weight1, weight2 = weight1.contiguous(), weight2.contiguous()
@@ -446,13 +457,14 @@ class FusedMLPFunc(torch.autograd.Function):
                                               ctx.need_act_input)
         grad_output = _as_rows(grad_output, batch_dim)
         grad_weight2, grad_bias2 = _weight_grads(output1, grad_output, ctx.needs_input_grad[3],
-                                                 ctx.needs_input_grad[4], ctx.fused_wgrad2)
+                                                 ctx.needs_input_grad[4], ctx.fused_wgrad2, ctx.fp32_grads[1])
         grad_pre_act = _act_backward(grad_output, weight2, act_input, output1, activation, bwd_h)
         del output1, act_input
         # bias1's gradient comes with weight1's (the BGRADB epilogue), from grad_pre_act.
         grad_input, grad_weight1, grad_bias1 = _linear_grads(
             grad_pre_act, weight1, total_x, handle_x, ctx.needs_input_grad[:3], ctx.fused_wgrad1,
-            args[0] if ctx.return_residual else None, process_group, sequence_parallel, batch_shape)
+            args[0] if ctx.return_residual else None, process_group, sequence_parallel, batch_shape,
+            ctx.fp32_grads[0])
         return (grad_input, grad_weight1, grad_bias1, grad_weight2, grad_bias2) + (None,) * 7
 
 

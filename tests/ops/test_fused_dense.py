@@ -172,10 +172,12 @@ class FakeFusedDenseLib:
             return [out]
         return [out, pre_act if is_gelu else pack_bits(pre_act > 0)]
 
-    def linear_bias_wgrad(self, input, d_output, has_d_bias):
+    def linear_bias_wgrad(self, input, d_output, has_d_bias, fp32_grads=False):
         self._check(input, d_output)
         self.calls["linear_bias_wgrad"] += 1
-        return [d_output.t() @ input, d_output.sum(0) if has_d_bias else None]
+        self.calls["fp32_grads"] += fp32_grads
+        grads = [d_output.t() @ input, d_output.sum(0) if has_d_bias else None]
+        return [g.float() if fp32_grads and g is not None else g for g in grads]
 
     def bias_act_linear_dgrad_bgrad(self, weight, d_output, pre_act, is_gelu, heuristic):
         self._check(weight, d_output, pre_act)
@@ -329,6 +331,36 @@ def test_fused_dense_func_paths(fake_ext, bias, return_residual, frozen_weight):
     assert fake_ext.calls["linear_bias_wgrad"] == (0 if frozen_weight else 1)
 
 
+@pytest.mark.parametrize("layer", ["dense", "mlp"])
+def test_autocast_fp32_parameters_get_fp32_fused_weight_grads(fake_ext, monkeypatch, layer):
+    """Half-precision compute (autocast) on fp32 parameters: the fused weight-gradient GEMMs are
+    asked for fp32 gradients (no cast after them), and the gradients match the plain layer's."""
+    monkeypatch.setattr(fd, "_HALF_DTYPES", (torch.bfloat16,))
+    torch.manual_seed(0)
+    fused = (FusedDense(16, 24) if layer == "dense"
+             else FusedMLP(16, 128, 24, activation="gelu_approx", heuristic=0))
+    plain = (nn.Linear(16, 24) if layer == "dense"
+             else nn.Sequential(nn.Linear(16, 128), nn.GELU(approximate="tanh"), nn.Linear(128, 24)))
+    plain.load_state_dict(dict(zip(plain.state_dict(), fused.state_dict().values())))
+    x = torch.randn(4, 6, 16)
+    for module in (fused, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x)
+        out.float().square().sum().backward()
+    gemms = 1 if layer == "dense" else 2
+    assert fake_ext.calls["linear_bias_wgrad"] == gemms and fake_ext.calls["fp32_grads"] == gemms
+    for (name, got), want in zip(fused.named_parameters(), plain.parameters()):
+        assert got.grad.dtype == torch.float32, name
+        torch.testing.assert_close(got.grad, want.grad, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_half_parameters_get_half_fused_weight_grads(fake_ext):
+    x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(24, 16, dtype=torch.float64, requires_grad=True)
+    fused_dense_func(x, weight, None).sum().backward()
+    assert fake_ext.calls["linear_bias_wgrad"] == 1 and fake_ext.calls["fp32_grads"] == 0
+
+
 def scripted_timer(tables, log):
     """A stand-in for autotune._time_candidates answering from tables {"fwd"|"wgrad"|"bwd": {candidate: ms}}."""
 
@@ -448,16 +480,18 @@ def test_linear_act_forward(dtype, is_gelu, has_bias, save_pre_act, heuristic, b
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("has_d_bias", [True, False])
 @pytest.mark.parametrize("batch,in_features,out_features", SHAPES)
-def test_linear_bias_wgrad(dtype, has_d_bias, batch, in_features, out_features):
+@pytest.mark.parametrize("fp32_grads", [False, True])
+def test_linear_bias_wgrad(dtype, has_d_bias, batch, in_features, out_features, fp32_grads):
     ext = load_ext()
     torch.manual_seed(0)
     x = torch.randn(batch, in_features, device="cuda", dtype=dtype)
     g = torch.randn(batch, out_features, device="cuda", dtype=dtype)
-    d_weight, d_bias = ext.linear_bias_wgrad(x, g, has_d_bias)
-    assert d_weight.shape == (out_features, in_features) and d_weight.dtype == dtype
+    d_weight, d_bias = ext.linear_bias_wgrad(x, g, has_d_bias, fp32_grads=fp32_grads)
+    grad_dtype = torch.float32 if fp32_grads else dtype
+    assert d_weight.shape == (out_features, in_features) and d_weight.dtype == grad_dtype
     assert_within_reference("d_weight", d_weight, g.t() @ x, g.float().t() @ x.float())
     if has_d_bias:
-        assert d_bias.shape == (out_features,) and d_bias.dtype == dtype
+        assert d_bias.shape == (out_features,) and d_bias.dtype == grad_dtype
         assert_within_reference("d_bias", d_bias, g.sum(0), g.float().sum(0))
     else:
         assert d_bias is None
