@@ -98,7 +98,7 @@ def run_config_sweep(vocab, tokens, device, timer):
     dlogits, dlosses = torch.empty_like(logits), torch.ones(tokens, device=device)
     args = (0.0, 1.0, 0.0, -100, vocab, 0)
     rows = []
-    for block, warps in ((None, None), (2048, 4), (4096, 8), (8192, 16), (16384, 16)):
+    for block, warps in ((None, None), (1024, 4), (2048, 4), (4096, 8), (8192, 8)):
         ms = timer(lambda: _forward_launch(logits, labels, losses, z_losses, lse, *args,
                                            split=False, block=block, num_warps=warps))
         rows.append(["forward", "default" if block is None else f"{block}, {warps} warps", ms])

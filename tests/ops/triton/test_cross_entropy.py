@@ -70,13 +70,15 @@ def test_cross_entropy_small(dtype, vocab, smoothing, lse_square_scale, inplace_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_small_blocks_unaligned_rows(dtype):
+@pytest.mark.parametrize("vocab", [1001, 1024])
+def test_small_blocks_unaligned_rows(dtype, vocab):
     # Blocks of 64 over a 1001-wide vocabulary: rows start at every offset modulo 16 bytes, so
-    # the kernels' masked edge blocks and unmasked interior blocks all run.
-    logits, labels = _make_inputs(9, 1001, dtype, DEVICE)
+    # the kernels' masked edge blocks and unmasked interior blocks all run. 1024: aligned rows of
+    # whole blocks, and a last block wholly past each row's end (max -inf, sum 0).
+    logits, labels = _make_inputs(9, vocab, dtype, DEVICE)
     n = logits.shape[0]
     losses, z_losses, lse = (torch.empty(n, device=DEVICE) for _ in range(3))
-    _forward_launch(logits, labels, losses, z_losses, lse, 0.1, 1.0, 0.0, -100, 1001, 0,
+    _forward_launch(logits, labels, losses, z_losses, lse, 0.1, 1.0, 0.0, -100, vocab, 0,
                     split=False, block=64, num_warps=2)
     x_ref = logits.float().requires_grad_()
     ref, _ = cross_entropy_loss_ref(x_ref, labels, 0.1)
@@ -85,7 +87,7 @@ def test_small_blocks_unaligned_rows(dtype):
     torch.testing.assert_close(losses, ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, torch.logsumexp(logits.float(), -1), rtol=1e-5, atol=1e-5)
     dlogits = torch.full_like(logits, float("nan"))
-    _backward_launch(dlogits, g, logits, lse, labels, 0.1, 1.0, 0.0, -100, 1001, 0, block=64,
+    _backward_launch(dlogits, g, logits, lse, labels, 0.1, 1.0, 0.0, -100, vocab, 0, block=64,
                      num_warps=2)
     _assert_grad_close(dlogits, x_ref.grad)
 
