@@ -6,7 +6,8 @@ Paths a call can take:
   epilogue; FusedMLP also fuses bias + activation into the first GEMM's epilogue (saving the
   pre-activation, GELU_AUX_BIAS / RELU_AUX_BIAS) and the activation's gradient into the second
   GEMM's input gradient (DGELU / DRELU; the first layer's bias gradient comes from its weight
-  gradient's BGRADB epilogue) (`heuristic` >= 0).
+  gradient's BGRADB epilogue) (`heuristic` >= 0). Under autocast on fp32 parameters the
+  weight-gradient GEMM writes fp32 weight and bias gradients itself (no cast kernel after it).
 - plain: anything else (CPU, fp32 without autocast, sizes the epilogues cannot take, extension
   missing) runs exactly the nn.Linear / F.gelu / F.relu computation of a plain PyTorch MLP. With a
   process_group it runs the same autograd Functions on PyTorch ops, so tensor parallelism also
