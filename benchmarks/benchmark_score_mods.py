@@ -19,13 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import note_stand_in, parse_args, report, save_plot, time_ms, wall_ms  # noqa: E402
-from benchmark_flash_attention import time_pass  # noqa: E402
+from benchmark_flash_attention import FLOP_FACTOR, HIDDEN, TOKENS, time_pass  # noqa: E402
 
 from flash_attn import flash_attn_func  # noqa: E402
+from flash_attn.modules.mha import get_alibi_slopes  # noqa: E402
 from flash_attn.utils.testing import attention_ref  # noqa: E402
 
 WINDOW, SOFTCAP = 1024, 30.0
-TOKENS, HIDDEN, HEAD_DIM = 16384, 2048, 128
+HEAD_DIM = 128
 BAR = 1.0  # ours / compiled FlexAttention, fwd and bwd
 
 
@@ -38,15 +39,9 @@ def kept_pairs(seqlen, window):
     return full + ramp
 
 
-def alibi_slopes(heads, device):
-    # The geometric slopes of the ALiBi paper, 2^(-8 i / heads).
-    return torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device=device,
-                        dtype=torch.float32)
-
-
 def cases(heads, device):
     """{name: (window, ours kwargs, flex score_mod or None)}; every case is causal."""
-    slopes = alibi_slopes(heads, device)
+    slopes = torch.tensor(get_alibi_slopes(heads), device=device, dtype=torch.float32)
 
     def softcap_mod(score, b, h, q_idx, kv_idx):
         return SOFTCAP * torch.tanh(score / SOFTCAP)
@@ -114,7 +109,7 @@ def main():
                 diff = (fns["ours"][1]().float() - fns["flex"][1]().transpose(1, 2).float()).abs().max().item()
             pairs = kept_pairs(seqlen, window)
             for kind in passes:
-                flops = 4 * batch * heads * d * pairs * (2.5 if kind == "bwd" else 1.0)
+                flops = 4 * batch * heads * d * pairs * FLOP_FACTOR[kind]
                 tflops = {m: flops / time_pass(inputs, fn, kind, timer) / 1e9 for m, (inputs, fn) in fns.items()}
                 ratio = tflops["ours"] / tflops["flex"]
                 rows.append([kind, name, seqlen, batch, heads, tflops["ours"], tflops["flex"], ratio, diff])

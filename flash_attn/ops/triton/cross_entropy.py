@@ -74,7 +74,7 @@ def _cross_entropy_fwd_block_kernel(
 
 
 @triton.jit
-def _cross_entropy_fwd_kernel(
+def _cross_entropy_fwd_combine_kernel(
     LOSS, Z_LOSS, LSE, LOGITS, LABELS, BLOCK_MAX, BLOCK_SUMEXP, BLOCK_SUMX,
     n_rows, n_cols, n_blocks, stride_logits_row, stride_block_row,
     smoothing, logit_scale, lse_square_scale, ignore_index, total_classes, class_start,
@@ -222,7 +222,7 @@ def _forward_launch(logits, labels, losses, z_losses, lse, smoothing, logit_scal
             n_cols, logits.stride(0), n_blocks, logit_scale,
             HAS_SMOOTHING=smoothing > 0.0, BLOCK=block, ALIGN=align, num_warps=num_warps,
         )
-        _cross_entropy_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+        _cross_entropy_fwd_combine_kernel[(triton.cdiv(n_rows, rows),)](
             losses, z_losses, lse, logits, labels, block_max, block_sumexp, block_sumx,
             n_rows, n_cols, n_blocks, logits.stride(0), n_blocks,
             smoothing, logit_scale, lse_square_scale, ignore_index, total_classes, class_start,
