@@ -1,4 +1,5 @@
-// The attention backward (sm80-class mma.sync path), in three kernels:
+// The attention backward (mma.sync, or wgmma on sm90 where the tile allows: wgmma.h), in three
+// kernels:
 //   1. softmax_d = rowsum(dO * O) per query row, dq_accum zeroed (flash_bwd_dot_do_o_kernel);
 //   2. per key block: recompute P from Q, K and the forward's log-sum-exp, then
 //      dV += P^T dO, dP = dO V^T, dS = P (dP - softmax_d), dK += dS^T Q, dQ += dS K (dQ added in
@@ -259,16 +260,17 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     const int64_t dv_row0 = seq.k_offset(params.dv_batch_stride, params.dv_row_stride) +
                             int64_t(n_block) * kBlockN * params.dv_row_stride + int64_t(bidh) * params.dv_head_stride;
 
-    typename Traits::TiledMmaSdP tiled_mma_sdp;
+    typename Traits::TiledMmaSdP tiled_mma_sdp_sync;
     typename Traits::TiledMmadKV tiled_mma_dkv_sync;
     typename Traits::TiledMmadQ tiled_mma_dq_sync;
-    // dV, dK and dQ run on wgmma where it applies (wgmma.h), else on mma.sync like S and dP; their
+    // The five products run on wgmma where it applies (wgmma.h), else on mma.sync; their
     // accumulators are laid out by the MMA that computes them.
     using Wgmma = BackwardWgmma<Traits>;
     constexpr bool kWgmma = Wgmma::kEnabled;
+    typename Wgmma::TiledMmaSdP tiled_mma_sdp;
     typename Wgmma::TiledMmadKV tiled_mma_dkv;
     typename Wgmma::TiledMmadQ tiled_mma_dq;
-    auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(tidx);
+    auto thr_mma_sdp = tiled_mma_sdp_sync.get_thread_slice(tidx);
     auto thr_mma_dkv = tiled_mma_dkv_sync.get_thread_slice(tidx);
     auto thr_mma_dq = tiled_mma_dq_sync.get_thread_slice(tidx);
     Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -364,8 +366,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     cute::cp_async_fence();
 
     // Shared -> register copies of the five GEMMs.
-    auto smem_copy_A_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
-    auto smem_copy_B_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma_sdp);
+    auto smem_copy_A_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_sdp_sync);
+    auto smem_copy_B_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma_sdp_sync);
     auto smem_copy_At_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv_sync);
     auto smem_copy_Bt_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma_dkv_sync);
     auto smem_copy_A_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma_dq_sync);
@@ -407,7 +409,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     Tensor tdSsdS = thr_copy_PdS.partition_D(sdS);
 
     // (row, col) inside the tile of each S element this thread holds.
-    Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor tScS = tiled_mma_sdp.get_thread_slice(tidx).partition_C(
+        make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
     constexpr int kRows = decltype(size<0>(tScS_rc))::value;
 
@@ -436,18 +439,33 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
 
         // S = Q K^T and dP = dO V^T, both issued before any element-wise work so that the exp and
         // mask instructions below overlap with the tensor cores still working on dP.
-        // With a 128 x 128 tile, S and dP alone fill half the registers: unless wgmma frees the
-        // operand registers of the other three products, their operands are then not prefetched
-        // a k-slice ahead, which keeps the loop from spilling.
-        constexpr bool kPrefetchSdP = kWgmma || kBlockM * kBlockN < 128 * 128;
         Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        clear(acc_s);
-        gemm<false, kPrefetchSdP>(acc_s, tSrQ, tSrK, thr_copy_A_sdp.partition_S(sQ(buf)), tSsK, tiled_mma_sdp, smem_copy_A_sdp,
-             smem_copy_B_sdp, thr_copy_A_sdp, thr_copy_B_sdp);
         Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        clear(acc_dp);
-        gemm<false, kPrefetchSdP>(acc_dp, tdPrdO, tdPrV, thr_copy_A_sdp.partition_S(sdO(buf)), tdPsV, tiled_mma_sdp,
-             smem_copy_A_sdp, smem_copy_B_sdp, thr_copy_A_sdp, thr_copy_B_sdp);
+        if constexpr (kWgmma) {
+            const int buf_offset = buf * size(typename Traits::SmemLayoutQdO{});
+            auto thr_sdp = tiled_mma_sdp.get_thread_slice(tidx);
+            auto sB = [&](Element *ptr) {
+                return thr_sdp.partition_fragment_B(smem_view(ptr, typename Wgmma::SmemLayoutKV{}));
+            };
+            auto sA = [&](Element *ptr) {
+                return thr_sdp.partition_fragment_A(smem_view(ptr + buf_offset, typename Wgmma::SmemLayoutQdO{}));
+            };
+            wgmma_gemm<true>(tiled_mma_sdp, sA(smem_q), sB(smem_k), acc_s);
+            wgmma_gemm<true>(tiled_mma_sdp, sA(smem_do), sB(smem_v), acc_dp);
+            warpgroup_wait<1>();  // S is done; dP runs on beside the exp below
+            warpgroup_fence_operand(acc_s);
+        } else {
+            // With a 128 x 128 tile, S and dP alone fill half the registers: their operands are
+            // then not prefetched a k-slice ahead, which keeps the loop from spilling.
+            constexpr bool kPrefetchSdP = kBlockM * kBlockN < 128 * 128;
+            clear(acc_s);
+            gemm<false, kPrefetchSdP>(acc_s, tSrQ, tSrK, thr_copy_A_sdp.partition_S(sQ(buf)), tSsK, tiled_mma_sdp_sync,
+                                      smem_copy_A_sdp, smem_copy_B_sdp, thr_copy_A_sdp, thr_copy_B_sdp);
+            clear(acc_dp);
+            gemm<false, kPrefetchSdP>(acc_dp, tdPrdO, tdPrV, thr_copy_A_sdp.partition_S(sdO(buf)), tdPsV,
+                                      tiled_mma_sdp_sync, smem_copy_A_sdp, smem_copy_B_sdp, thr_copy_A_sdp,
+                                      thr_copy_B_sdp);
+        }
 
         // This thread's rows: log-sum-exp of the forward (+inf past the sequence: P = 0 there)
         // and softmax_d.
@@ -482,6 +500,10 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                                        static_cast<Element *>(nullptr), 0);
         }
 
+        if constexpr (kWgmma) {
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(acc_dp);
+        }
         // dS = P (dP / keep_prob (0 where dropped) - softmax_d) [* (1 - tanh^2)]. Two copies of the
         // loop, so that without softcap no instruction of its derivative is issued (predicated off).
         Tensor dp = make_tensor(acc_dp.data(), acc_as_rowcol(acc_dp.layout()));
@@ -575,17 +597,20 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     }
 }
 
-// grid (splits or key blocks, batch, heads): a CTA walks key blocks blockIdx.x, + gridDim.x, ...
-// (one block unless deterministic), adding dQ into its own dq_accum split when deterministic.
+// grid (batch x heads, splits or key blocks): a CTA walks key blocks blockIdx.y, + gridDim.y, ...
+// (one block unless deterministic or past 65535 blocks), adding dQ into its own dq_accum split
+// when deterministic. The key blocks vary slowest, so every head's first blocks start before any
+// head's last: under a causal mask the first key blocks see the most queries, and the light ones
+// then fill the grid's tail. Heads vary fastest so that one GQA group's CTAs run side by side.
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
 flash_bwd_kernel(const __grid_constant__ AttentionParams params) {
     extern __shared__ __align__(1024) char smem[];  // 1024: the swizzled tiles as wgmma reads them
-    const int bidb = blockIdx.y, bidh = blockIdx.z;
+    const int bidb = int(blockIdx.x) / params.heads, bidh = int(blockIdx.x) % params.heads;
     const SequenceInfo seq(params, bidb);
     const int n_blocks = ceil_div(seq.seqlen_k, Traits::kBlockN);
-    const int split = params.deterministic ? int(blockIdx.x) : 0;
-    for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
+    const int split = params.deterministic ? int(blockIdx.y) : 0;
+    for (int n_block = blockIdx.y; n_block < n_blocks; n_block += gridDim.y) {
         bwd_key_block<Traits, Is_dropout, Is_masked>(params, seq, n_block, bidb, bidh, split, smem);
         __syncthreads();  // the next key block reuses the shared memory
     }

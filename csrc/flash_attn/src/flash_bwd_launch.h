@@ -11,6 +11,8 @@
 
 namespace flash {
 
+constexpr int kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the kernel strides past it
+
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
     using Tile = BackwardTile<kHeadDim>;
@@ -30,7 +32,8 @@ void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
                "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");
     const int n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
     if (n_blocks > 0) {  // no keys at all: dq_accum stays zero (see above), so dq comes out zero
-        const dim3 grid(params.deterministic ? params.num_splits : n_blocks, params.batch, params.heads);
+        const int key_splits = params.deterministic ? params.num_splits : std::min(n_blocks, kMaxGridY);
+        const dim3 grid(unsigned(params.batch) * unsigned(params.heads), key_splits);
         kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
         check_cuda(cudaGetLastError(), "launch of the backward kernel");
     }

@@ -106,11 +106,13 @@ struct ForwardWgmma<Traits, true> {
     using SmemLayoutVt = SmemColsMajor<Element, kBlockN, kHeadDim>;  // B of O (head dim x keys)
 };
 
-// The backward's dV, dK and dQ products (S and dP stay on mma.sync: their element-wise work is
-// laid out for it). Where wgmma does not apply, the MMAs are the mma.sync ones.
+// The backward's five products: S = Q K^T and dP = dO V^T (both operands from shared memory, so
+// no operand fragments live in registers across the element-wise work), dV, dK and dQ. Where
+// wgmma does not apply, the MMAs are the mma.sync ones.
 template <typename Traits, bool = kBackwardWgmmaApplies<Traits> && FLASH_WGMMA_ARCH>
 struct BackwardWgmma {
     static constexpr bool kEnabled = false;
+    using TiledMmaSdP = typename Traits::TiledMmaSdP;
     using TiledMmadKV = typename Traits::TiledMmadKV;
     using TiledMmadQ = typename Traits::TiledMmadQ;
 };
@@ -120,6 +122,14 @@ struct BackwardWgmma<Traits, true> {
     using Element = typename Traits::Element;
     static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     static constexpr bool kEnabled = true;
+
+    // S, dP (kBlockM x kBlockN): the two warpgroups split 128 rows, or the columns of 64 rows.
+    // Either way a warp owns 16 rows by whole 16-column cells, as dropout.h needs.
+    static constexpr int kWarpgroupsMSdP = kBlockM / 64 >= 2 ? 2 : 1, kWarpgroupsNSdP = 2 / kWarpgroupsMSdP;
+    using TiledMmaSdP = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / kWarpgroupsNSdP>, Int<kHeadDim>>>(),
+        Layout<Shape<Int<kWarpgroupsMSdP>, Int<kWarpgroupsNSdP>, _1>>{}));
+    static_assert(kBlockM % (64 * kWarpgroupsMSdP) == 0);
 
     // dV, dK (kBlockN x head dim): one warpgroup per 64 keys.
     using TiledMmadKV = decltype(make_tiled_mma(
@@ -133,6 +143,8 @@ struct BackwardWgmma<Traits, true> {
                              GMMA::Major::K, GMMA::Major::MN>(),
         Layout<Shape<Int<kWarpgroupsMdQ>, Int<kWarpgroupsNdQ>, _1>>{}));
 
+    using SmemLayoutQdO = SmemKMajor<Element, kBlockM, kHeadDim>;      // Q, dO: A of S, dP
+    using SmemLayoutKV = SmemKMajor<Element, kBlockN, kHeadDim>;       // K, V: B of S, dP
     using SmemLayoutPdSt = SmemColsMajor<Element, kBlockM, kBlockN>;   // P^T, dS^T: A of dV, dK
     using SmemLayoutQdOt = SmemColsMajor<Element, kBlockM, kHeadDim>;  // dO, Q: B of dV, dK
     using SmemLayoutdS = SmemKMajor<Element, kBlockM, kBlockN>;        // dS: A of dQ
