@@ -5,8 +5,10 @@
 
 The forward keeps whole rows in registers (one or a few rows per program); the backward walks a
 band of rows per program, a tile of rows at a time in a software-pipelined loop, and keeps the
-weight / bias gradient sums in registers, then adds the bands up in PyTorch. The tile shapes and
-the pipelining depth come from _fwd_tile / _bwd_tile / _bwd_num_stages (measured on the H200).
+weight / bias gradient sums in registers, then adds the bands up: with fp32 atomics, the last
+program writing the gradients, or deterministically in PyTorch (_atomic_param_grads). The tile
+shapes and the pipelining depth come from _fwd_tile / _bwd_tile / _bwd_num_stages (measured on
+the H200).
 Dropout draws come from `tl.rand` with one seed per row taken from PyTorch's generator, so the
 backward regenerates the mask instead of reading it. Runs on CPU tensors under TRITON_INTERPRET=1.
 """
@@ -169,9 +171,18 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _sum_copies(SUMS, cols, in_row, N, SUM_COPIES: tl.constexpr):
+    # .cg: read at L2, where the atomics landed, never a stale L1 line.
+    total = tl.load(SUMS + cols, mask=in_row, other=0.0, cache_modifier=".cg")
+    for c in tl.static_range(1, SUM_COPIES):
+        total += tl.load(SUMS + c * N + cols, mask=in_row, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     X, W, B, Y, DY, DX, DW, DB, DRESIDUAL, W1, DY1, DX1, DW1, DB1, DRESIDUAL_IN, ROWSCALE, SEEDS,
-    MEAN, RSTD,
+    MEAN, RSTD, DW_OUT, DB_OUT, DW1_OUT, DB1_OUT, TICKETS,
     stride_x_row, stride_y_row, stride_dy_row, stride_dx_row, stride_dres_row, stride_dy1_row,
     stride_dx1_row, stride_dres_in_row,
     M, N, dropout_p, rows_per_program,
@@ -179,8 +190,13 @@ def _layer_norm_bwd_kernel(
     NUM_STAGES: tl.constexpr, ZERO_CENTERED_WEIGHT: tl.constexpr, HAS_DRESIDUAL: tl.constexpr,
     STORE_DRESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_DY1: tl.constexpr, HAS_DX1: tl.constexpr,
-    HAS_B1: tl.constexpr, RECOMPUTE_OUTPUT: tl.constexpr,
+    HAS_B1: tl.constexpr, RECOMPUTE_OUTPUT: tl.constexpr, ATOMIC_PARAM_GRADS: tl.constexpr,
+    SUM_COPIES: tl.constexpr,
 ):
+    # DW / DB / DW1 / DB1: fp32 sums of the parameter gradients. ATOMIC_PARAM_GRADS: one
+    # zeroed row each that every program adds into, and the last program to finish (by the
+    # TICKETS count) writes them to DW_OUT / ... in the parameters' dtypes; otherwise a row per
+    # program (programs x N) that the launcher sums.
     # Each iteration takes a tile of ROWS_PER_ITER rows of the program's band, and the loop is
     # pipelined NUM_STAGES deep: the next tiles' loads are in flight while this one reduces.
     pid = tl.program_id(0)
@@ -264,13 +280,41 @@ def _layer_norm_bwd_kernel(
         if HAS_ROWSCALE:
             dx *= tl.load(ROWSCALE + rows, mask=in_band, other=0.0).to(tl.float32)[:, None]
         tl.store(DX + row * stride_dx_row + col, dx, mask=mask)
-    tl.store(DW + pid * N + cols, tl.sum(dw, axis=0), mask=in_row)
-    if HAS_BIAS:
-        tl.store(DB + pid * N + cols, tl.sum(db, axis=0), mask=in_row)
-    if HAS_DY1:
-        tl.store(DW1 + pid * N + cols, tl.sum(dw1, axis=0), mask=in_row)
-        if HAS_B1:
-            tl.store(DB1 + pid * N + cols, tl.sum(db1, axis=0), mask=in_row)
+    if ATOMIC_PARAM_GRADS:
+        # Relaxed adds (fire-and-forget reductions at L2): the ticket below orders them. Each
+        # program adds into one of SUM_COPIES rows, so that fewer adds queue on each address.
+        copy = (pid % SUM_COPIES) * N + cols
+        tl.atomic_add(DW + copy, tl.sum(dw, axis=0), mask=in_row, sem="relaxed")
+        if HAS_BIAS:
+            tl.atomic_add(DB + copy, tl.sum(db, axis=0), mask=in_row, sem="relaxed")
+        if HAS_DY1:
+            tl.atomic_add(DW1 + copy, tl.sum(dw1, axis=0), mask=in_row, sem="relaxed")
+            if HAS_B1:
+                tl.atomic_add(DB1 + copy, tl.sum(db1, axis=0), mask=in_row, sem="relaxed")
+        # The ticket is taken by one thread: the barrier makes every thread's adds precede it,
+        # and its release publishes them to the program that draws the last ticket, whose
+        # acquire (then the ticket's broadcast through shared memory) orders its reads after.
+        # (The modulo: a replay of the kernel alone, without the memset, still runs this tail.)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(TICKETS, 1, sem="acq_rel")
+        if ticket % tl.num_programs(0) == tl.num_programs(0) - 1:
+            tl.store(DW_OUT + cols, _sum_copies(DW, cols, in_row, N, SUM_COPIES), mask=in_row)
+            if HAS_BIAS:
+                tl.store(DB_OUT + cols, _sum_copies(DB, cols, in_row, N, SUM_COPIES), mask=in_row)
+            if HAS_DY1:
+                tl.store(DW1_OUT + cols, _sum_copies(DW1, cols, in_row, N, SUM_COPIES),
+                         mask=in_row)
+                if HAS_B1:
+                    tl.store(DB1_OUT + cols, _sum_copies(DB1, cols, in_row, N, SUM_COPIES),
+                             mask=in_row)
+    else:
+        tl.store(DW + pid * N + cols, tl.sum(dw, axis=0), mask=in_row)
+        if HAS_BIAS:
+            tl.store(DB + pid * N + cols, tl.sum(db, axis=0), mask=in_row)
+        if HAS_DY1:
+            tl.store(DW1 + pid * N + cols, tl.sum(dw1, axis=0), mask=in_row)
+            if HAS_B1:
+                tl.store(DB1 + pid * N + cols, tl.sum(db1, axis=0), mask=in_row)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,10 +362,12 @@ def _fwd_tile(block_n):
 
 
 def _bwd_tile(block_n):
-    """(rows per loop iteration, num_warps) of the backward: one row a step, block_n / 256 warps
-    (1 to 16). The H200 sweep found no gain in several rows a step (2-D tiles of up to 8K elements
-    at every hidden size from 1K to 8K); the knob stays for other GPUs."""
-    return 1, min(max(block_n // 256, 1), 16)
+    """(rows per loop iteration, num_warps) of the backward: one row a step, block_n / 512 warps
+    (1 to 16): the best or within 2% of it at hidden 1K-8K in the H200 sweep of the atomic
+    backward (.gpu/ln_probe.py; 1/2/4 warps at 1K, 4/8 at 2K, 8/16 at 4K and 8K). That sweep's
+    predecessor found no gain in several rows a step (2-D tiles of up to 8K elements at every
+    hidden size from 1K to 8K); the knob stays for other GPUs."""
+    return 1, min(max(block_n // 512, 1), 16)
 
 
 def _bwd_num_stages(block_n):
@@ -429,10 +475,11 @@ def _sm_count(device_index):
 
 
 def _bwd_programs_per_sm(block_n):
-    """Backward programs per SM: 8K elements of rows in flight per SM (8 programs at hidden 1K, 1
-    at 8K), from the H200 sweep; each program also costs a row of partial sums (fp32, N wide, per
-    parameter) that is written, then read by the final sum."""
-    return min(max(8192 // block_n, 1), 32)
+    """Backward programs per SM: 4 from hidden 1K to 4K, 1 from 8K (4K elements of rows a program
+    below 1K), the H200 sweep's best (.gpu/ln_probe.py: 4/8/16/32 at 1K, 2/4 at 2K and 4K, 1/2 at
+    8K). Each program also adds a row of sums (fp32, N wide, per parameter) into the gradients (N
+    atomics), or writes a row of partials that the final sum reads: fewer programs, less of it."""
+    return 1 if block_n >= 8192 else min(max(4096 // block_n, 4), 32)
 
 
 def _bwd_bands(x, M, rows_per_iter, block_n):
@@ -443,6 +490,26 @@ def _bwd_bands(x, M, rows_per_iter, block_n):
     tiles = triton.cdiv(max(M, 1), rows_per_iter)
     rows_per_program = triton.cdiv(tiles, max_programs) * rows_per_iter
     return triton.cdiv(max(M, 1), rows_per_program), rows_per_program
+
+
+def _bwd_sum_copies(block_n, programs):
+    """Rows of fp32 sums per parameter that the atomic backward spreads its programs' adds over
+    (program p adds into row p % copies): adds to one address queue at L2, and at hidden 1K one
+    row took 500+ programs' adds on the same few cache lines at the kernel's end. The last program
+    reads the copies back, so they stay within 8K elements per parameter."""
+    return max(1, min(8, 8192 // block_n, programs))
+
+
+def _atomic_param_grads():
+    """Whether the backward finishes the weight / bias gradients in its own kernel: every program
+    adds its sums into one zeroed fp32 row per parameter with atomics, and the last program to
+    finish writes the gradients in the parameters' dtypes (one memset + one kernel). The other
+    way, a row of partial sums per program summed and cast by PyTorch, costs two more launches
+    (several microseconds each at hidden 1K, also inside a CUDA graph) but is bitwise repeatable:
+    fp32 atomics add in the order they land, so the last bits change from run to run. Hence the
+    atomics unless torch.use_deterministic_algorithms(True). Both ways run on CPU too (the
+    interpreter runs the programs one after another, so the last ticket is the last program)."""
+    return not torch.are_deterministic_algorithms_enabled()
 
 
 def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=None, weight1=None,
@@ -475,21 +542,38 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     block_n = _block_n(x, N)
     rows_per_iter, num_warps = _bwd_tile(block_n)
     programs, rows_per_program = _bwd_bands(x, M, rows_per_iter, block_n)
-    # The per-program partial sums of every parameter gradient in one buffer, so that one
-    # reduction (and one cast) finishes them all: at small sizes each extra launch costs more
-    # CPU time than the kernel's GPU time.
     params = [t for t in (weight, bias, weight1, bias1) if t is not None]
-    partials = torch.empty(len(params), programs, N, dtype=torch.float32, device=x.device)
-    parts = iter(partials)
-    dw_part = next(parts)
-    db_part = next(parts) if bias is not None else None
-    dw1_part = next(parts) if weight1 is not None else None
-    db1_part = next(parts) if bias1 is not None else None
+    dtypes = [t.dtype for t in params]
+    atomic = M > 0 and _atomic_param_grads()
+    if atomic:
+        # One zeroed fp32 row per parameter that every program adds into, and the ticket
+        # counter (int32 0 is fp32 0.0) after them: one memset. The last program writes the
+        # gradients, in one buffer when the parameters share a dtype (the common case).
+        sum_copies = _bwd_sum_copies(block_n, programs)
+        sums = torch.zeros(len(params) * sum_copies * N + 1, dtype=torch.float32, device=x.device)
+        tickets = sums[-1:].view(torch.int32)
+        sums = sums[:-1].view(len(params), sum_copies, N)
+        if len(set(dtypes)) == 1:
+            outs = list(torch.empty(len(params), N, dtype=dtypes[0], device=x.device).unbind(0))
+        else:
+            outs = [torch.empty(N, dtype=dtype, device=x.device) for dtype in dtypes]
+    else:
+        # The per-program partial sums of every parameter gradient in one buffer, so that one
+        # reduction (and one cast) finishes them all: at small sizes each extra launch costs
+        # more CPU time than the kernel's GPU time.
+        sums = torch.empty(len(params), programs, N, dtype=torch.float32, device=x.device)
+        tickets, outs, sum_copies = None, [None] * len(params), 1
+    parts, grads = iter(sums), iter(outs)
+    dw_part, dw = next(parts), next(grads)
+    db_part, db = (next(parts), next(grads)) if bias is not None else (None, None)
+    dw1_part, dw1 = (next(parts), next(grads)) if weight1 is not None else (None, None)
+    db1_part, db1 = (next(parts), next(grads)) if bias1 is not None else (None, None)
     if M > 0:
         with device:
             _layer_norm_bwd_kernel[(programs,)](
                 x, weight, bias, y, dy, dx, dw_part, db_part, dresidual, weight1, dy1, dx1,
-                dw1_part, db1_part, dresidual_in, rowscale, seeds, mean, rstd,
+                dw1_part, db1_part, dresidual_in, rowscale, seeds, mean, rstd, dw, db, dw1, db1,
+                tickets,
                 x.stride(0), y.stride(0) if y is not None else 0, dy.stride(0), dx.stride(0),
                 dresidual.stride(0) if dresidual is not None else 0,
                 dy1.stride(0) if dy1 is not None else 0,
@@ -502,21 +586,22 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
                 HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
                 HAS_ROWSCALE=rowscale is not None, HAS_DY1=dy1 is not None,
                 HAS_DX1=dx1 is not None, HAS_B1=bias1 is not None,
-                RECOMPUTE_OUTPUT=y is not None,
+                RECOMPUTE_OUTPUT=y is not None, ATOMIC_PARAM_GRADS=atomic,
+                SUM_COPIES=sum_copies,
                 num_warps=num_warps,
             )
     else:
-        partials.zero_()
-    sums = partials.sum(1)
-    dtypes = [t.dtype for t in params]
-    if len(set(dtypes)) == 1:  # the common case: one cast for all
-        grads = iter(sums.to(dtypes[0]).unbind(0))
-    else:
-        grads = iter([g.to(dtype) for g, dtype in zip(sums.unbind(0), dtypes)])
-    dw = next(grads)
-    db = next(grads) if bias is not None else None
-    dw1 = next(grads) if weight1 is not None else None
-    db1 = next(grads) if bias1 is not None else None
+        sums.zero_()
+    if not atomic:
+        sums = sums.sum(1)
+        if len(set(dtypes)) == 1:  # the common case: one cast for all
+            grads = iter(sums.to(dtypes[0]).unbind(0))
+        else:
+            grads = iter([g.to(dtype) for g, dtype in zip(sums.unbind(0), dtypes)])
+        dw = next(grads)
+        db = next(grads) if bias is not None else None
+        dw1 = next(grads) if weight1 is not None else None
+        db1 = next(grads) if bias1 is not None else None
     if has_residual and dresidual_in is None:
         dresidual_in = dx
     if has_x1 and dx1 is None:

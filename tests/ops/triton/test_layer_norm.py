@@ -110,7 +110,7 @@ def run_case(M, N, dtype, weight_dtype=None, is_rms_norm=False, has_bias=True,
         assert t.grad is not None, f"no gradient for {name}"
         assert t.grad.dtype == t.dtype, f"{name}.grad dtype {t.grad.dtype} != {t.dtype}"
         _assert_close(f"grad {name}", t.grad, r32.grad, rlow.grad)
-    return mask, mask1
+    return mask, mask1, {name: t.grad for name, t in zip(names, ours_in) if t is not None}
 
 
 # A covering set of option combinations, small enough for the interpreter on CPU.
@@ -384,3 +384,157 @@ def test_bwd_bands_cover_the_rows_in_whole_tiles(monkeypatch, is_cuda):
         assert (programs - 1) * rows_per_program < M <= programs * rows_per_program
         max_programs = 132 * ln._bwd_programs_per_sm(block_n) if is_cuda else 4
         assert programs <= max_programs, (M, block_n, programs)
+
+
+# The two ways of finishing the weight / bias gradients (_atomic_param_grads): fp32 atomics and
+# a ticket, or a row of partials per program summed in PyTorch. Every parameter gradient there
+# is (weight, bias, weight1, bias1), mixed parameter dtypes, and more bands than programs of
+# the CPU default (8 bands of 5 rows for M = 37), so that several programs add into the sums.
+PARAM_GRAD_CASES = [
+    dict(residual_dtype="same", prenorm=True),
+    dict(is_rms_norm=True, has_bias=False),
+    dict(has_x1=True, has_weight1=True, residual_dtype="same", dropout_p=0.2, prenorm=True),
+    dict(has_weight1=True, weight_dtype=torch.float32, zero_centered_weight=True),
+]
+PARAM_NAMES = ("weight", "bias", "weight1", "bias1")
+
+
+def _assert_param_grads_agree(atomic, partials):
+    """The two ways sum the same fp32 rows in different orders: equal to fp32 rounding, then
+    at most an ulp of the gradient's dtype apart (a sum on either side of a rounding boundary)."""
+    assert [n for n in PARAM_NAMES if n in atomic] == [n for n in PARAM_NAMES if n in partials]
+    for name in PARAM_NAMES:
+        if name not in atomic:
+            continue
+        a, p = atomic[name], partials[name]
+        assert a.dtype == p.dtype and a.shape == p.shape, name
+        amax = p.float().abs().max().item()
+        tol = (2 * torch.finfo(p.dtype).eps + 1e-5) * amax + 1e-6
+        err = (a.float() - p.float()).abs().max().item()
+        assert err <= tol, f"grad {name}: atomic vs partials {err:.3g} > {tol:.3g}"
+
+
+@pytest.fixture(params=["default", "five_row_bands"])
+def bands(request, monkeypatch):
+    if request.param == "five_row_bands":
+        monkeypatch.setattr(ln, "_bwd_bands", lambda x, M, rows_per_iter, block_n:
+                            (-(-M // 5), 5))
+    return request.param
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for the test, the previous setting restored."""
+    state = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(state[0], warn_only=state[1])
+
+
+def test_param_grad_path_follows_deterministic_mode(deterministic):
+    assert not ln._atomic_param_grads()
+    torch.use_deterministic_algorithms(False)
+    assert ln._atomic_param_grads()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", range(len(PARAM_GRAD_CASES)))
+def test_atomic_and_partials_param_grads_agree(monkeypatch, bands, case, dtype):
+    grads = {}
+    for atomic in (True, False):
+        monkeypatch.setattr(ln, "_atomic_param_grads", lambda atomic=atomic: atomic)
+        # Each way against the references, then against each other.
+        grads[atomic] = run_case(37, 96, dtype, **_resolve(PARAM_GRAD_CASES[case], dtype))[2]
+    _assert_param_grads_agree(grads[True], grads[False])
+    # Everything else comes out of the same kernel the same way.
+    for name in set(grads[True]) - set(PARAM_NAMES):
+        assert torch.equal(grads[True][name], grads[False][name]), name
+
+
+def test_atomic_param_grads_with_mixed_dtypes(monkeypatch):
+    """weight fp32, bias fp16: the gradients go to one buffer per dtype."""
+    torch.manual_seed(0)
+    M, N = 23, 80
+    x, dy = torch.randn(M, N, device=DEVICE), torch.randn(M, N, device=DEVICE)
+    w = torch.randn(N, device=DEVICE)
+    b = torch.randn(N, device=DEVICE, dtype=torch.float16)
+    _, _, mean, rstd, pre, *_ = ln._layer_norm_fwd(x, w, b, 1e-5)
+    grads = {}
+    for atomic in (True, False):
+        monkeypatch.setattr(ln, "_atomic_param_grads", lambda atomic=atomic: atomic)
+        _, dw, db, *_ = ln._layer_norm_bwd(dy, pre, w, b, 1e-5, mean, rstd)
+        grads[atomic] = dict(weight=dw, bias=db)
+    assert grads[True]["weight"].dtype == torch.float32
+    assert grads[True]["bias"].dtype == torch.float16
+    _assert_param_grads_agree(grads[True], grads[False])
+    xhat = (x - x.mean(1, keepdim=True)) * rstd[:, None]
+    torch.testing.assert_close(grads[False]["weight"], (dy * xhat).sum(0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grads[False]["bias"], dy.sum(0).half(), atol=1e-2, rtol=1e-3)
+
+
+def test_atomic_param_grads_without_rows(monkeypatch):
+    """M = 0: no kernel runs, and the gradients are zeros either way."""
+    monkeypatch.setattr(ln, "_atomic_param_grads", lambda: True)
+    x = torch.empty(0, 64, device=DEVICE)
+    w, b = torch.randn(64, device=DEVICE), torch.randn(64, device=DEVICE)
+    _, _, mean, rstd, pre, *_ = ln._layer_norm_fwd(x, w, b, 1e-5)
+    _, dw, db, *_ = ln._layer_norm_bwd(torch.empty_like(x), pre, w, b, 1e-5, mean, rstd)
+    assert torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(b))
+
+
+def _backward_twice(M, N, dtype, case):
+    """Every gradient of two backward runs of one forward (the same inputs and upstream grads)."""
+    torch.manual_seed(0)
+    case = _resolve(case, dtype)
+    x = _leaf(torch.randn(M, N, device=DEVICE, dtype=dtype))
+    w = _leaf(torch.randn(N, device=DEVICE, dtype=dtype))
+    b = _leaf(torch.randn(N, device=DEVICE, dtype=dtype)) if case.get("has_bias", True) else None
+    res = (_leaf(torch.randn(M, N, device=DEVICE, dtype=dtype))
+           if case.get("residual_dtype") is not None else None)
+    x1 = _leaf(torch.randn(M, N, device=DEVICE, dtype=dtype)) if case.get("has_x1") else None
+    w1 = _leaf(torch.randn(N, device=DEVICE, dtype=dtype)) if case.get("has_weight1") else None
+    b1 = (_leaf(torch.randn(N, device=DEVICE, dtype=dtype))
+          if w1 is not None and b is not None else None)
+    leaves = [t for t in (x, w, b, res, x1, w1, b1) if t is not None]
+    outs = layer_norm_fn(x, w, b, residual=res, x1=x1, weight1=w1, bias1=b1, eps=1e-5,
+                         dropout_p=case.get("dropout_p", 0.0), prenorm=case.get("prenorm", False),
+                         zero_centered_weight=case.get("zero_centered_weight", False),
+                         is_rms_norm=case.get("is_rms_norm", False))
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    dys = [torch.randn_like(o) for o in outs]
+    return [torch.autograd.grad(outs, leaves, dys, retain_graph=True) for _ in range(2)]
+
+
+@pytest.mark.parametrize("case", range(len(PARAM_GRAD_CASES)))
+def test_deterministic_backward_is_bitwise_repeatable(deterministic, bands, case):
+    first, second = _backward_twice(37, 96, torch.float32, PARAM_GRAD_CASES[case])
+    for k, (g1, g2) in enumerate(zip(first, second)):
+        assert torch.equal(g1, g2), f"gradient {k} differs between two deterministic runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N", [(16384, 1024), (4099, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", range(len(PARAM_GRAD_CASES)))
+def test_atomic_param_grads_gpu(monkeypatch, M, N, dtype, case):
+    """Hundreds of programs adding into the sums at once: each way against the references, the
+    two against each other, and repeated atomic runs (an ordering bug in the ticket would show
+    as a stale sum now and then) against the deterministic one."""
+    grads = {}
+    for atomic in (True, False):
+        monkeypatch.setattr(ln, "_atomic_param_grads", lambda atomic=atomic: atomic)
+        grads[atomic] = run_case(M, N, dtype, **_resolve(PARAM_GRAD_CASES[case], dtype))[2]
+    _assert_param_grads_agree(grads[True], grads[False])
+    monkeypatch.setattr(ln, "_atomic_param_grads", lambda: False)
+    reference = _backward_twice(M, N, dtype, PARAM_GRAD_CASES[case])
+    assert all(torch.equal(a, b) for a, b in zip(*reference))
+    monkeypatch.setattr(ln, "_atomic_param_grads", lambda: True)
+    for _ in range(5):
+        for run in _backward_twice(M, N, dtype, PARAM_GRAD_CASES[case]):
+            for k, (a, p) in enumerate(zip(run, reference[0])):
+                amax = p.float().abs().max().item()
+                err = (a.float() - p.float()).abs().max().item()
+                assert err <= (2 * torch.finfo(p.dtype).eps + 1e-5) * amax + 1e-6, (k, err)
