@@ -476,8 +476,8 @@ def _sm_count(device_index):
 
 def _bwd_programs_per_sm(block_n):
     """Backward programs per SM: 4 from hidden 1K to 4K, 1 from 8K (4K elements of rows a program
-    below 1K), the H200 sweep's best (.gpu/ln_probe.py: 4/8/16/32 at 1K, 2/4 at 2K and 4K, 1/2 at
-    8K). Each program also adds a row of sums (fp32, N wide, per parameter) into the gradients (N
+    below 1K), the H200 sweep's best (.gpu/ln_probe.py: 4/8/16/32 at 1K, 2/4/8 at 2K, 1/2/4 at 4K, 1/2
+    at 8K). Each program also adds a row of sums (fp32, N wide, per parameter) into the gradients (N
     atomics), or writes a row of partials that the final sum reads: fewer programs, less of it."""
     return 1 if block_n >= 8192 else min(max(4096 // block_n, 4), 32)
 
