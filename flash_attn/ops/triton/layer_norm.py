@@ -364,9 +364,9 @@ def _fwd_tile(block_n):
 def _bwd_tile(block_n):
     """(rows per loop iteration, num_warps) of the backward: one row a step, block_n / 512 warps
     (1 to 16): the best or within 2% of it at hidden 1K-8K in the H200 sweep of the atomic
-    backward (.gpu/ln_probe.py; 1/2/4 warps at 1K, 4/8 at 2K, 8/16 at 4K and 8K). That sweep's
-    predecessor found no gain in several rows a step (2-D tiles of up to 8K elements at every
-    hidden size from 1K to 8K); the knob stays for other GPUs."""
+    backward (benchmarks/RESULTS.md, session fifth, run A: 1/2/4 warps at 1K, 4/8 at 2K, 8/16 at
+    4K and 8K). An earlier sweep found no gain in several rows a step (2-D tiles of up to 8K
+    elements at every hidden size from 1K to 8K); the knob stays for other GPUs."""
     return 1, min(max(block_n // 512, 1), 16)
 
 
@@ -476,9 +476,10 @@ def _sm_count(device_index):
 
 def _bwd_programs_per_sm(block_n):
     """Backward programs per SM: 4 from hidden 1K to 4K, 1 from 8K (4K elements of rows a program
-    below 1K), the H200 sweep's best (.gpu/ln_probe.py: 4/8/16/32 at 1K, 2/4/8 at 2K, 1/2/4 at 4K, 1/2
-    at 8K). Each program also adds a row of sums (fp32, N wide, per parameter) into the gradients (N
-    atomics), or writes a row of partials that the final sum reads: fewer programs, less of it."""
+    below 1K), the H200 sweep's best (benchmarks/RESULTS.md, session fifth, run A: 4/8/16/32 at
+    1K, 2/4/8 at 2K, 1/2/4 at 4K, 1/2 at 8K). Each program also adds a row of sums (fp32, N wide,
+    per parameter) into the gradients (N atomics), or writes a row of partials that the final sum
+    reads: fewer programs, less of it."""
     return 1 if block_n >= 8192 else min(max(4096 // block_n, 4), 32)
 
 
