@@ -45,10 +45,11 @@ def _label_out_of_range(label, total_classes):
 @triton.jit
 def _cross_entropy_fwd_block_kernel(
     BLOCK_MAX, BLOCK_SUMEXP, BLOCK_SUMX, LOGITS,
-    n_cols, stride_logits_row, stride_block_row, logit_scale,
+    n_cols, stride_logits_row, logit_scale,
     HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    # One vocabulary block of one row: its max, its sum of exp(x - max) and (smoothing) its sum.
+    # One vocabulary block of one row: its max, its sum of exp(x - max) and (smoothing) its sum,
+    # at (row, block) of the (rows, blocks) partials.
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     base, shift = _aligned_row(row * stride_logits_row, ALIGN)
@@ -66,7 +67,7 @@ def _cross_entropy_fwd_block_kernel(
     m = tl.max(x, axis=0)
     # A block past the row's end (or of -inf logits) has max -inf and sum 0, not NaN.
     s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-    out = row * stride_block_row + block
+    out = row * tl.num_programs(1) + block
     tl.store(BLOCK_MAX + out, m)
     tl.store(BLOCK_SUMEXP + out, s)
     if HAS_SMOOTHING:
@@ -76,7 +77,7 @@ def _cross_entropy_fwd_block_kernel(
 @triton.jit
 def _cross_entropy_fwd_combine_kernel(
     LOSS, Z_LOSS, LSE, LOGITS, LABELS, BLOCK_MAX, BLOCK_SUMEXP, BLOCK_SUMX,
-    n_rows, n_cols, n_blocks, stride_logits_row, stride_block_row,
+    n_rows, n_cols, n_blocks, stride_logits_row,
     smoothing, logit_scale, lse_square_scale, ignore_index, total_classes, class_start,
     HAS_SMOOTHING: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
 ):
@@ -85,7 +86,7 @@ def _cross_entropy_fwd_combine_kernel(
     in_rows = rows < n_rows
     blocks = tl.arange(0, BLOCKS)
     mask = in_rows[:, None] & (blocks < n_blocks)[None, :]
-    at = rows[:, None] * stride_block_row + blocks[None, :]
+    at = rows[:, None] * n_blocks + blocks[None, :]
     m = tl.load(BLOCK_MAX + at, mask=mask, other=float("-inf"))
     m_row = tl.max(m, axis=1)
     m_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
@@ -196,6 +197,18 @@ def _align(*tensors):
     return 1
 
 
+def _vocab_blocks(n_cols, align, block, num_warps, max_block):
+    """(block, num_warps, blocks per row) of a kernel with one program per (row, vocabulary
+    block): block defaults to the row's power of two up to max_block, num_warps to 4 up to 1024
+    elements a block and 8 beyond. The blocks tile [0, n_cols + shift) from each row's aligned
+    base (shift < align)."""
+    if block is None:
+        block = min(triton.next_power_of_2(n_cols), max_block)
+    if num_warps is None:
+        num_warps = 4 if block <= 1024 else 8
+    return block, num_warps, triton.cdiv(n_cols + align - 1, block)
+
+
 def _forward_launch(logits, labels, losses, z_losses, lse, smoothing, logit_scale,
                     lse_square_scale, ignore_index, total_classes, class_start, split,
                     block=None, num_warps=None):
@@ -203,13 +216,8 @@ def _forward_launch(logits, labels, losses, z_losses, lse, smoothing, logit_scal
     # Every (row, vocabulary block) is a program of its own, as in the backward: one pass over
     # the logits with the whole GPU's loads in flight (a program streaming a whole row keeps too
     # few); a second, small kernel folds each row's blocks into lse and the loss.
-    if block is None:
-        block = min(triton.next_power_of_2(n_cols), 4096)
-    if num_warps is None:
-        num_warps = 4 if block <= 1024 else 8
     align = _align(logits)
-    # Blocks tile [0, n_cols + shift) from each row's aligned base; shift < align.
-    n_blocks = triton.cdiv(n_cols + align - 1, block)
+    block, num_warps, n_blocks = _vocab_blocks(n_cols, align, block, num_warps, max_block=4096)
     partials = torch.empty(3 if smoothing > 0.0 else 2, n_rows, n_blocks, dtype=torch.float32,
                            device=logits.device)
     block_max, block_sumexp = partials[0], partials[1]
@@ -219,12 +227,12 @@ def _forward_launch(logits, labels, losses, z_losses, lse, smoothing, logit_scal
     with launch_device("cross_entropy_loss", "logits", logits):
         _cross_entropy_fwd_block_kernel[(n_rows, n_blocks)](
             block_max, block_sumexp, block_sumx, logits,
-            n_cols, logits.stride(0), n_blocks, logit_scale,
+            n_cols, logits.stride(0), logit_scale,
             HAS_SMOOTHING=smoothing > 0.0, BLOCK=block, ALIGN=align, num_warps=num_warps,
         )
         _cross_entropy_fwd_combine_kernel[(triton.cdiv(n_rows, rows),)](
             losses, z_losses, lse, logits, labels, block_max, block_sumexp, block_sumx,
-            n_rows, n_cols, n_blocks, logits.stride(0), n_blocks,
+            n_rows, n_cols, n_blocks, logits.stride(0),
             smoothing, logit_scale, lse_square_scale, ignore_index, total_classes, class_start,
             HAS_SMOOTHING=smoothing > 0.0, SPLIT=split, ROWS=rows, BLOCKS=blocks_p2, num_warps=4,
         )
@@ -237,13 +245,9 @@ def _backward_launch(dlogits, dlosses, logits, lse, labels, smoothing, logit_sca
     assert dlogits.stride() == logits.stride()
     # 1024-wide blocks, 4 warps: the fastest of the H200 sweep (benchmark_cross_entropy.py, 2.34
     # against 2.55 ms for 4096 / 8 warps at vocab 128256).
-    if block is None:
-        block = min(triton.next_power_of_2(n_cols), 1024)
-    if num_warps is None:
-        num_warps = 4 if block <= 1024 else 8
     align = _align(logits, dlogits)
-    # Blocks tile [0, n_cols + shift) from each row's aligned base; shift < align.
-    grid = (n_rows, triton.cdiv(n_cols + align - 1, block))
+    block, num_warps, n_blocks = _vocab_blocks(n_cols, align, block, num_warps, max_block=1024)
+    grid = (n_rows, n_blocks)
     with launch_device("cross_entropy_loss", "logits", logits):
         _cross_entropy_bwd_kernel[grid](
             dlogits, dlosses, logits, lse, labels,

@@ -193,10 +193,10 @@ def _layer_norm_bwd_kernel(
     HAS_B1: tl.constexpr, RECOMPUTE_OUTPUT: tl.constexpr, ATOMIC_PARAM_GRADS: tl.constexpr,
     SUM_COPIES: tl.constexpr,
 ):
-    # DW / DB / DW1 / DB1: fp32 sums of the parameter gradients. ATOMIC_PARAM_GRADS: one
-    # zeroed row each that every program adds into, and the last program to finish (by the
-    # TICKETS count) writes them to DW_OUT / ... in the parameters' dtypes; otherwise a row per
-    # program (programs x N) that the launcher sums.
+    # DW / DB / DW1 / DB1: fp32 sums of the parameter gradients. ATOMIC_PARAM_GRADS: SUM_COPIES
+    # zeroed rows each that the programs add into, and the last program to finish (by the
+    # TICKETS count) writes their sum to DW_OUT / ... in the parameters' dtypes; otherwise a row
+    # per program (programs x N) that the launcher sums.
     # Each iteration takes a tile of ROWS_PER_ITER rows of the program's band, and the loop is
     # pipelined NUM_STAGES deep: the next tiles' loads are in flight while this one reduces.
     pid = tl.program_id(0)
@@ -503,14 +503,35 @@ def _bwd_sum_copies(block_n, programs):
 
 def _atomic_param_grads():
     """Whether the backward finishes the weight / bias gradients in its own kernel: every program
-    adds its sums into one zeroed fp32 row per parameter with atomics, and the last program to
-    finish writes the gradients in the parameters' dtypes (one memset + one kernel). The other
-    way, a row of partial sums per program summed and cast by PyTorch, costs two more launches
-    (several microseconds each at hidden 1K, also inside a CUDA graph) but is bitwise repeatable:
-    fp32 atomics add in the order they land, so the last bits change from run to run. Hence the
-    atomics unless torch.use_deterministic_algorithms(True). Both ways run on CPU too (the
-    interpreter runs the programs one after another, so the last ticket is the last program)."""
+    adds its sums into zeroed fp32 rows per parameter (_bwd_sum_copies) with atomics, and the
+    last program to finish writes the gradients in the parameters' dtypes (one memset + one
+    kernel). The other way, a row of partial sums per program summed and cast by PyTorch, costs
+    two more launches (several microseconds each at hidden 1K, also inside a CUDA graph) but is
+    bitwise repeatable: fp32 atomics add in the order they land, so the last bits change from
+    run to run. Hence the atomics unless torch.use_deterministic_algorithms(True). Both ways run
+    on CPU too (the interpreter runs the programs one after another, so the last ticket is the
+    last program)."""
     return not torch.are_deterministic_algorithms_enabled()
+
+
+def _per_param(rows, present):
+    """(weight, bias, weight1, bias1) entries of rows, one row per parameter that is present in
+    that order; None for the absent ones."""
+    rows = iter(rows)
+    return [next(rows) if here else None for here in present]
+
+
+def _param_rows(dtypes, N, device, sums=None):
+    """One row of N per parameter in its dtype, in one buffer when the dtypes agree (the common
+    case): the fp32 rows `sums` cast (one cast for all), or, without sums, empty rows for the
+    kernel to write."""
+    if len(set(dtypes)) == 1:
+        rows = (sums.to(dtypes[0]) if sums is not None
+                else torch.empty(len(dtypes), N, dtype=dtypes[0], device=device))
+        return list(rows.unbind(0))
+    if sums is None:
+        return [torch.empty(N, dtype=dtype, device=device) for dtype in dtypes]
+    return [row.to(dtype) for row, dtype in zip(sums.unbind(0), dtypes)]
 
 
 def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=None, weight1=None,
@@ -543,32 +564,26 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     block_n = _block_n(x, N)
     rows_per_iter, num_warps = _bwd_tile(block_n)
     programs, rows_per_program = _bwd_bands(x, M, rows_per_iter, block_n)
-    params = [t for t in (weight, bias, weight1, bias1) if t is not None]
-    dtypes = [t.dtype for t in params]
+    present = (True, bias is not None, weight1 is not None, bias1 is not None)  # w, b, w1, b1
+    dtypes = [t.dtype for t in (weight, bias, weight1, bias1) if t is not None]
     atomic = M > 0 and _atomic_param_grads()
     if atomic:
-        # One zeroed fp32 row per parameter that every program adds into, and the ticket
+        # SUM_COPIES zeroed fp32 rows per parameter that the programs add into, and the ticket
         # counter (int32 0 is fp32 0.0) after them: one memset. The last program writes the
-        # gradients, in one buffer when the parameters share a dtype (the common case).
+        # gradients into `grads`.
         sum_copies = _bwd_sum_copies(block_n, programs)
-        sums = torch.zeros(len(params) * sum_copies * N + 1, dtype=torch.float32, device=x.device)
+        sums = torch.zeros(len(dtypes) * sum_copies * N + 1, dtype=torch.float32, device=x.device)
         tickets = sums[-1:].view(torch.int32)
-        sums = sums[:-1].view(len(params), sum_copies, N)
-        if len(set(dtypes)) == 1:
-            outs = list(torch.empty(len(params), N, dtype=dtypes[0], device=x.device).unbind(0))
-        else:
-            outs = [torch.empty(N, dtype=dtype, device=x.device) for dtype in dtypes]
+        sums = sums[:-1].view(len(dtypes), sum_copies, N)
+        grads = _param_rows(dtypes, N, x.device)
     else:
         # The per-program partial sums of every parameter gradient in one buffer, so that one
         # reduction (and one cast) finishes them all: at small sizes each extra launch costs
         # more CPU time than the kernel's GPU time.
-        sums = torch.empty(len(params), programs, N, dtype=torch.float32, device=x.device)
-        tickets, outs, sum_copies = None, [None] * len(params), 1
-    parts, grads = iter(sums), iter(outs)
-    dw_part, dw = next(parts), next(grads)
-    db_part, db = (next(parts), next(grads)) if bias is not None else (None, None)
-    dw1_part, dw1 = (next(parts), next(grads)) if weight1 is not None else (None, None)
-    db1_part, db1 = (next(parts), next(grads)) if bias1 is not None else (None, None)
+        sums = torch.empty(len(dtypes), programs, N, dtype=torch.float32, device=x.device)
+        tickets, grads, sum_copies = None, [None] * len(dtypes), 1
+    dw_part, db_part, dw1_part, db1_part = _per_param(sums, present)
+    dw, db, dw1, db1 = _per_param(grads, present)
     if M > 0:
         with device:
             _layer_norm_bwd_kernel[(programs,)](
@@ -594,15 +609,7 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     else:
         sums.zero_()
     if not atomic:
-        sums = sums.sum(1)
-        if len(set(dtypes)) == 1:  # the common case: one cast for all
-            grads = iter(sums.to(dtypes[0]).unbind(0))
-        else:
-            grads = iter([g.to(dtype) for g, dtype in zip(sums.unbind(0), dtypes)])
-        dw = next(grads)
-        db = next(grads) if bias is not None else None
-        dw1 = next(grads) if weight1 is not None else None
-        db1 = next(grads) if bias1 is not None else None
+        dw, db, dw1, db1 = _per_param(_param_rows(dtypes, N, x.device, sums.sum(1)), present)
     if has_residual and dresidual_in is None:
         dresidual_in = dx
     if has_x1 and dx1 is None:

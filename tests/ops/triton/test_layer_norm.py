@@ -399,6 +399,13 @@ PARAM_GRAD_CASES = [
 PARAM_NAMES = ("weight", "bias", "weight1", "bias1")
 
 
+def _sum_order_error(a, p):
+    """(max |a - p|, its bound) for two sums of the same fp32 terms in different orders: fp32
+    rounding, then at most an ulp of p's dtype."""
+    amax = p.float().abs().max().item()
+    return (a.float() - p.float()).abs().max().item(), (2 * torch.finfo(p.dtype).eps + 1e-5) * amax + 1e-6
+
+
 def _assert_param_grads_agree(atomic, partials):
     """The two ways sum the same fp32 rows in different orders: equal to fp32 rounding, then
     at most an ulp of the gradient's dtype apart (a sum on either side of a rounding boundary)."""
@@ -408,9 +415,7 @@ def _assert_param_grads_agree(atomic, partials):
             continue
         a, p = atomic[name], partials[name]
         assert a.dtype == p.dtype and a.shape == p.shape, name
-        amax = p.float().abs().max().item()
-        tol = (2 * torch.finfo(p.dtype).eps + 1e-5) * amax + 1e-6
-        err = (a.float() - p.float()).abs().max().item()
+        err, tol = _sum_order_error(a, p)
         assert err <= tol, f"grad {name}: atomic vs partials {err:.3g} > {tol:.3g}"
 
 
@@ -535,6 +540,5 @@ def test_atomic_param_grads_gpu(monkeypatch, M, N, dtype, case):
     for _ in range(5):
         for run in _backward_twice(M, N, dtype, PARAM_GRAD_CASES[case]):
             for k, (a, p) in enumerate(zip(run, reference[0])):
-                amax = p.float().abs().max().item()
-                err = (a.float() - p.float()).abs().max().item()
-                assert err <= (2 * torch.finfo(p.dtype).eps + 1e-5) * amax + 1e-6, (k, err)
+                err, tol = _sum_order_error(a, p)
+                assert err <= tol, (k, err)
