@@ -9,8 +9,9 @@ weight / bias gradient sums in registers, then adds the bands up: with fp32 atom
 program writing the gradients, or deterministically in PyTorch (_atomic_param_grads). The tile
 shapes and the pipelining depth come from _fwd_tile / _bwd_tile / _bwd_num_stages (measured on
 the H200).
-Dropout draws come from `tl.rand` with one seed per row taken from PyTorch's generator, so the
-backward regenerates the mask instead of reading it. Runs on CPU tensors under TRITON_INTERPRET=1.
+Dropout draws come from Philox (four per call, _dropout_keep) with one seed per row taken from
+PyTorch's generator, so the backward regenerates the mask instead of reading it. Runs on CPU
+tensors under TRITON_INTERPRET=1.
 """
 
 import functools
@@ -100,6 +101,23 @@ def rms_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=No
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _dropout_keep(seeds, dropout_p, BLOCK_N: tl.constexpr):
+    """(rows, BLOCK_N) keep mask of the rows' seeds: 7 Philox rounds (enough mixing for dropout,
+    fewer registers than the default 10), one seed per row and the column as the counter, so the
+    backward draws the same mask. Each Philox call gives four 32-bit draws: column c takes draw
+    c % 4 of counter c // 4, a quarter of the calls of one draw per column (the draws were what
+    bound the dropout kernels: about 100 integer instructions per element against 9-11 bytes)."""
+    if BLOCK_N >= 4:
+        quads = tl.arange(0, BLOCK_N // 4)
+        r0, r1, r2, r3 = tl.randint4x(seeds[:, None], quads[None, :], n_rounds=7)
+        # interleave(interleave(r0, r2), interleave(r1, r3)) = r0, r1, r2, r3 of each counter.
+        draws = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+    else:
+        draws = tl.randint(seeds[:, None], tl.arange(0, BLOCK_N)[None, :], n_rounds=7)
+    return tl.random.uint_to_uniform_float(draws) > dropout_p
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, SEEDS, DROPOUT_MASK,
     DROPOUT_MASK1, MEAN, RSTD,
@@ -109,65 +127,78 @@ def _layer_norm_fwd_kernel(
     ZERO_CENTERED_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_DROPOUT_MASK: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_X1: tl.constexpr,
-    HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    # A tile of ROWS_PER_PROGRAM whole rows, held in registers; several rows per program share
-    # one load of the weights at small hidden sizes.
-    rows = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    # Tiles of ROWS_PER_PROGRAM whole rows, held in registers; several rows per tile share one
+    # load of the weights at small hidden sizes. A program takes tiles pid, pid + programs, ...
+    # in a loop pipelined NUM_STAGES deep (the next tile's loads in flight while this one
+    # reduces); with one tile per program the loop runs once.
     cols = tl.arange(0, BLOCK_N)
-    in_rows = rows < M
     in_row = cols < N
-    mask = in_rows[:, None] & in_row[None, :]
-    row, col = rows[:, None], cols[None, :]  # 64-bit offsets: rows * stride may pass 2^31
-    x = tl.load(X + row * stride_x_row + col, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ROWSCALE:
-        x *= tl.load(ROWSCALE + rows, mask=in_rows, other=0.0).to(tl.float32)[:, None]
-    if HAS_DROPOUT:
-        # 7 Philox rounds: enough mixing for dropout, fewer registers than the default 10. One
-        # seed per row and the column as the counter: the backward draws the same mask.
-        seeds = tl.load(SEEDS + rows, mask=in_rows, other=0).to(tl.uint32)
-        keep = tl.rand(seeds[:, None], col, n_rounds=7) > dropout_p
-        x = tl.where(keep, x / (1.0 - dropout_p), 0.0)
-        if STORE_DROPOUT_MASK:
-            tl.store(DROPOUT_MASK + row * N + col, keep, mask=mask)
-    if HAS_X1:
-        x1 = tl.load(X1 + row * stride_x1_row + col, mask=mask, other=0.0).to(tl.float32)
-        if HAS_DROPOUT:
-            seeds1 = tl.load(SEEDS + M + rows, mask=in_rows, other=0).to(tl.uint32)
-            keep1 = tl.rand(seeds1[:, None], col, n_rounds=7) > dropout_p
-            x1 = tl.where(keep1, x1 / (1.0 - dropout_p), 0.0)
-            if STORE_DROPOUT_MASK:
-                tl.store(DROPOUT_MASK1 + row * N + col, keep1, mask=mask)
-        x += x1
-    if HAS_RESIDUAL:
-        x += tl.load(RESIDUAL + row * stride_res_row + col, mask=mask, other=0.0).to(tl.float32)
-    if STORE_RESIDUAL_OUT:
-        tl.store(RESIDUAL_OUT + row * stride_res_out_row + col, x, mask=mask)
-    # Two-pass statistics over the rows held in registers.
-    if IS_RMS_NORM:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=1) / N
-        tl.store(MEAN + rows, mean, mask=in_rows)
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    tl.store(RSTD + rows, rstd, mask=in_rows)
-    xhat = xc * rstd[:, None]
     w = tl.load(W + cols, mask=in_row).to(tl.float32)
     if ZERO_CENTERED_WEIGHT:
         w += 1.0
-    y = xhat * w[None, :]
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=in_row).to(tl.float32)[None, :]
-    tl.store(Y + row * stride_y_row + col, y, mask=mask)
+        b = tl.load(B + cols, mask=in_row).to(tl.float32)
     if HAS_W1:
         w1 = tl.load(W1 + cols, mask=in_row).to(tl.float32)
         if ZERO_CENTERED_WEIGHT:
             w1 += 1.0
-        y1 = xhat * w1[None, :]
         if HAS_B1:
-            y1 += tl.load(B1 + cols, mask=in_row).to(tl.float32)[None, :]
-        tl.store(Y1 + row * stride_y1_row + col, y1, mask=mask)
+            b1 = tl.load(B1 + cols, mask=in_row).to(tl.float32)
+    n_tiles = tl.cdiv(M, ROWS_PER_PROGRAM)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = tl.arange(0, ROWS_PER_PROGRAM).to(tl.int64) + tile * ROWS_PER_PROGRAM
+        in_rows = rows < M
+        mask = in_rows[:, None] & in_row[None, :]
+        row, col = rows[:, None], cols[None, :]  # 64-bit offsets: rows * stride may pass 2^31
+        x = tl.load(X + row * stride_x_row + col, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ROWSCALE:
+            x *= tl.load(ROWSCALE + rows, mask=in_rows, other=0.0).to(tl.float32)[:, None]
+        if HAS_DROPOUT:
+            seeds = tl.load(SEEDS + rows, mask=in_rows, other=0).to(tl.uint32)
+            keep = _dropout_keep(seeds, dropout_p, BLOCK_N)
+            x = tl.where(keep, x / (1.0 - dropout_p), 0.0)
+            if STORE_DROPOUT_MASK:
+                tl.store(DROPOUT_MASK + row * N + col, keep, mask=mask)
+        if HAS_X1:
+            x1 = tl.load(X1 + row * stride_x1_row + col, mask=mask, other=0.0).to(tl.float32)
+            if HAS_DROPOUT:
+                seeds1 = tl.load(SEEDS + M + rows, mask=in_rows, other=0).to(tl.uint32)
+                keep1 = _dropout_keep(seeds1, dropout_p, BLOCK_N)
+                x1 = tl.where(keep1, x1 / (1.0 - dropout_p), 0.0)
+                if STORE_DROPOUT_MASK:
+                    tl.store(DROPOUT_MASK1 + row * N + col, keep1, mask=mask)
+            x += x1
+        if HAS_RESIDUAL:
+            x += tl.load(RESIDUAL + row * stride_res_row + col, mask=mask,
+                         other=0.0).to(tl.float32)
+        if STORE_RESIDUAL_OUT:
+            tl.store(RESIDUAL_OUT + row * stride_res_out_row + col, x, mask=mask)
+        # Two-pass statistics over the rows held in registers.
+        if IS_RMS_NORM:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / N
+            tl.store(MEAN + rows, mean, mask=in_rows)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=in_rows)
+        xhat = xc * rstd[:, None]
+        y = xhat * w[None, :]
+        if HAS_BIAS:
+            y += b[None, :]
+        tl.store(Y + row * stride_y_row + col, y, mask=mask)
+        if HAS_W1:
+            y1 = xhat * w1[None, :]
+            if HAS_B1:
+                y1 += b1[None, :]
+            tl.store(Y1 + row * stride_y1_row + col, y1, mask=mask)
+
+
+@triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -252,12 +283,13 @@ def _layer_norm_bwd_kernel(
             if HAS_B1:
                 db1 += dy1
             wdy += w1[None, :] * dy1
-        c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
         if IS_RMS_NORM:
+            c1 = (tl.sum(xhat * wdy, axis=1) / N)[:, None]
             dx = (wdy - xhat * c1) * rstd
         else:
-            c2 = (tl.sum(wdy, axis=1) / N)[:, None]
-            dx = (wdy - (xhat * c1 + c2)) * rstd
+            # Both row sums in one reduction: one trip through shared memory (1% at 1K).
+            s1, s2 = tl.reduce((xhat * wdy, wdy), 1, _add_pairs)
+            dx = (wdy - (xhat * (s1 / N)[:, None] + (s2 / N)[:, None])) * rstd
         # dx is now the gradient of the pre-norm sum.
         if HAS_DRESIDUAL:
             dx += tl.load(DRESIDUAL + row * stride_dres_row + col, mask=mask,
@@ -266,16 +298,16 @@ def _layer_norm_bwd_kernel(
             tl.store(DRESIDUAL_IN + row * stride_dres_in_row + col, dx, mask=mask)
         if HAS_DX1:
             if HAS_DROPOUT:
-                # The forward's draws: one seed per row, the column as the counter.
+                # The forward's draws (_dropout_keep).
                 seeds1 = tl.load(SEEDS + M + rows, mask=in_band, other=0).to(tl.uint32)
-                keep1 = tl.rand(seeds1[:, None], col, n_rounds=7) > dropout_p
+                keep1 = _dropout_keep(seeds1, dropout_p, BLOCK_N)
                 dx1 = tl.where(keep1, dx / (1.0 - dropout_p), 0.0)
             else:
                 dx1 = dx
             tl.store(DX1 + row * stride_dx1_row + col, dx1, mask=mask)
         if HAS_DROPOUT:
             seeds = tl.load(SEEDS + rows, mask=in_band, other=0).to(tl.uint32)
-            keep = tl.rand(seeds[:, None], col, n_rounds=7) > dropout_p
+            keep = _dropout_keep(seeds, dropout_p, BLOCK_N)
             dx = tl.where(keep, dx / (1.0 - dropout_p), 0.0)
         if HAS_ROWSCALE:
             dx *= tl.load(ROWSCALE + rows, mask=in_band, other=0.0).to(tl.float32)[:, None]
@@ -350,31 +382,69 @@ def _block_n(x, N):
     return triton.next_power_of_2(N)
 
 
+# Hidden 1K-8K on the H200 (bf16; benchmarks/RESULTS.md, session sixth: .gpu/ln_probe2/3 sweeps of
+# LayerNorm, RMSNorm and dropout + residual + LayerNorm, the config with the best worst case):
+# forward (rows per tile, warps, looping programs per SM, stages), the backward's programs per SM.
+_FWD_TILES = {1024: (2, 2, 16, 3), 2048: (1, 4, 4, 4), 4096: (1, 4, 4, 3), 8192: (1, 8, 2, 3)}
+_BWD_PROGRAMS_PER_SM = {1024: 4, 2048: 2, 4096: 4, 8192: 2}
+# Shared memory that the tiles in flight of a pipelined loop may take (Triton stages them there):
+# under the H200's 227 KB a block, with room for the reductions' scratch.
+_PIPELINE_SMEM_BYTES = 160 * 1024
+
+
 def _fwd_tile(block_n):
-    """(rows per program, num_warps) of the forward: a row of 1K elements or more gets a program,
-    4 warps up to 2K elements and block_n / 512 (up to 16) beyond; shorter rows are grouped up
-    to 1K elements a program.
-    Chosen by a sweep on the H200 (bf16, hidden 1K-8K, LayerNorm with residual and RMSNorm):
-    more rows or warps per program were slower there."""
+    """(rows per tile, num_warps) of the forward: _FWD_TILES at 1K-8K (at 1K, 2 rows on 2 warps:
+    85-89% of copy against 61-78% for a row on 4 warps); otherwise a row on block_n / 512 warps (up
+    to 16), shorter rows grouped up to 1K elements a tile."""
+    if block_n in _FWD_TILES:
+        return _FWD_TILES[block_n][:2]
     rows = min(max(1024 // block_n, 1), 16)
     tile = rows * block_n
     return rows, (min(max(tile // 256, 1), 4) if tile <= 2048 else min(tile // 512, 16))
 
 
+def _fwd_programs_per_sm(block_n):
+    """Forward programs per SM that loop over the tiles (_FWD_TILES, 1K-8K), or None: a program
+    per tile. A looping program loads the weights once and has the next tiles' loads in flight
+    while this one reduces; at 4K / 8K with dropout it moved 57-74% of copy to 95-97%."""
+    return _FWD_TILES[block_n][2] if block_n in _FWD_TILES else None
+
+
+def _fwd_num_stages(block_n):
+    """Pipelining depth of the forward's tile loop (_FWD_TILES); 1 where a program takes one tile
+    (a one-trip loop staged deeper only took shared memory: 4K at 65% of copy against 91%)."""
+    return _FWD_TILES[block_n][3] if block_n in _FWD_TILES else 1
+
+
+def _pipeline_stages(stages, tile_bytes):
+    """stages, fewer where the stages - 1 tiles in flight (tile_bytes of loads each) would not fit
+    _PIPELINE_SMEM_BYTES (fp32 rows or several row inputs at 4K and up)."""
+    return max(1, min(stages, 1 + _PIPELINE_SMEM_BYTES // max(tile_bytes, 1)))
+
+
+def _fwd_programs(x, M, rows_per_program, block_n):
+    """Forward grid: every tile, or at most _fwd_programs_per_sm per SM looping over the tiles
+    (3 programs on CPU, so that the interpreter runs the loop too)."""
+    tiles = triton.cdiv(M, rows_per_program)
+    if not x.is_cuda:
+        return min(tiles, 3)
+    per_sm = _fwd_programs_per_sm(block_n)
+    return tiles if per_sm is None else min(tiles, _sm_count(x.device.index) * per_sm)
+
+
 def _bwd_tile(block_n):
     """(rows per loop iteration, num_warps) of the backward: one row a step, block_n / 512 warps
-    (1 to 16): the best or within 2% of it at hidden 1K-8K in the H200 sweep of the atomic
-    backward (benchmarks/RESULTS.md, session fifth, run A: 1/2/4 warps at 1K, 4/8 at 2K, 8/16 at
-    4K and 8K). An earlier sweep found no gain in several rows a step (2-D tiles of up to 8K
-    elements at every hidden size from 1K to 8K); the knob stays for other GPUs."""
+    (1 to 16): the best or within 2% of it at hidden 1K-8K in the H200 sweeps (session fifth, run
+    A: 1/2/4 warps at 1K, 4/8 at 2K, 8/16 at 4K and 8K; session sixth: 2 and 4 rows a step at 1K
+    and 2K, 1-3% slower). The knob stays for other GPUs."""
     return 1, min(max(block_n // 512, 1), 16)
 
 
 def _bwd_num_stages(block_n):
     """Software-pipelining depth of the backward's row loop (tl.range num_stages): the next rows'
-    loads are issued while this row reduces. 3 was the best of 1/2/3 at every hidden size of the
-    H200 sweep (backward 57-65% of copy with 1, 60-80% with 3)."""
-    return 3
+    loads are issued while this row reduces. 4 (session sixth: of 3-6 at 1K, 3-5 at 2K-8K) was the
+    best or within 1% at every hidden size, and lifted dropout_add_ln from 80 to 91% at 2K."""
+    return 4
 
 
 def _op_name(is_rms_norm):
@@ -448,7 +518,7 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
     rows_per_program, num_warps = _fwd_tile(block_n)
     if M > 0:
         with device:
-            _layer_norm_fwd_kernel[(triton.cdiv(M, rows_per_program),)](
+            _layer_norm_fwd_kernel[(_fwd_programs(x, M, rows_per_program, block_n),)](
                 x, out, weight, bias, residual, x1, weight1, bias1, y1, residual_out, rowscale,
                 seeds, dropout_mask, dropout_mask1, mean, rstd,
                 x.stride(0), out.stride(0),
@@ -463,6 +533,9 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
                 HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
                 STORE_DROPOUT_MASK=dropout_mask is not None, HAS_ROWSCALE=rowscale is not None,
                 HAS_X1=x1 is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
+                NUM_STAGES=_pipeline_stages(_fwd_num_stages(block_n), rows_per_program * block_n
+                                            * sum(t.element_size() for t in (x, residual, x1)
+                                                  if t is not None)),
                 num_warps=num_warps,
             )
     return (out, y1, mean, rstd, residual_out if residual_out is not None else x, seeds,
@@ -475,11 +548,13 @@ def _sm_count(device_index):
 
 
 def _bwd_programs_per_sm(block_n):
-    """Backward programs per SM: 4 from hidden 1K to 4K, 1 from 8K (4K elements of rows a program
-    below 1K), the H200 sweep's best (benchmarks/RESULTS.md, session fifth, run A: 4/8/16/32 at
-    1K, 2/4/8 at 2K, 1/2/4 at 4K, 1/2 at 8K). Each program also adds a row of sums (fp32, N wide,
-    per parameter) into the gradients (N atomics), or writes a row of partials that the final sum
-    reads: fewer programs, less of it."""
+    """Backward programs per SM: _BWD_PROGRAMS_PER_SM at 1K-8K (sessions fifth and sixth: 4/8/16/32
+    at 1K, 2/4/8 at 2K, 1/2/4 at 4K, 1/2 at 8K); elsewhere 4 up to 4K, 1 beyond (4K elements of
+    rows a program below 1K). Each program also adds a row of sums (fp32, N wide, per parameter)
+    into the gradients, or writes a row of partials that the final sum reads: fewer programs, less
+    of it."""
+    if block_n in _BWD_PROGRAMS_PER_SM:
+        return _BWD_PROGRAMS_PER_SM[block_n]
     return 1 if block_n >= 8192 else min(max(4096 // block_n, 4), 32)
 
 
@@ -497,8 +572,9 @@ def _bwd_sum_copies(block_n, programs):
     """Rows of fp32 sums per parameter that the atomic backward spreads its programs' adds over
     (program p adds into row p % copies): adds to one address queue at L2, and at hidden 1K one
     row took 500+ programs' adds on the same few cache lines at the kernel's end. The last program
-    reads the copies back, so they stay within 8K elements per parameter."""
-    return max(1, min(8, 8192 // block_n, programs))
+    reads the copies back, so they stay within 8K elements per parameter, and at most 4 (at 1K, 4
+    were 1% faster than 8 or 2, and 6% faster than 16; session sixth)."""
+    return max(1, min(4, 8192 // block_n, programs))
 
 
 def _atomic_param_grads():
@@ -597,7 +673,10 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
                 dresidual_in.stride(0) if dresidual_in is not None else 0,
                 M, N, dropout_p, rows_per_program,
                 IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n, ROWS_PER_ITER=rows_per_iter,
-                NUM_STAGES=_bwd_num_stages(block_n), ZERO_CENTERED_WEIGHT=zero_centered_weight,
+                NUM_STAGES=_pipeline_stages(_bwd_num_stages(block_n), rows_per_iter * block_n
+                                            * sum(t.element_size() for t in (x, dy, dresidual, dy1)
+                                                  if t is not None)),
+                ZERO_CENTERED_WEIGHT=zero_centered_weight,
                 HAS_DRESIDUAL=dresidual is not None, STORE_DRESIDUAL=dresidual_in is not None,
                 HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
                 HAS_ROWSCALE=rowscale is not None, HAS_DY1=dy1 is not None,

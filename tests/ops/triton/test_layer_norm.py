@@ -213,6 +213,22 @@ def test_dropout_mask_matches_zeros_and_reproduces():
     assert not torch.equal(mask, mask3)
 
 
+def test_dropout_draws_of_one_philox_call_are_independent():
+    # Columns 4k .. 4k + 3 share a Philox counter (four draws per call): their keep decisions must
+    # still be independent, and each column's keep rate 1 - p.
+    torch.manual_seed(0)
+    M, N, p = 512, 256, 0.5
+    x = torch.randn(M, N, device=DEVICE) + 5.0
+    w = torch.ones(N, device=DEVICE)
+    _, mask, _ = layer_norm_fn(x, w, None, dropout_p=p, return_dropout_mask=True)
+    keep = mask.float()
+    for lane in range(4):
+        assert abs(keep[:, lane::4].mean().item() - (1 - p)) < 0.02, lane
+    for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
+        both = (keep[:, a::4] * keep[:, b::4]).mean().item()
+        assert abs(both - (1 - p) ** 2) < 0.02, (a, b, both)
+
+
 def check_backward_regenerates_the_forward_mask(M, N, p=0.5):
     torch.manual_seed(0)
     x = torch.randn(M, N, device=DEVICE, requires_grad=True)
@@ -542,3 +558,16 @@ def test_atomic_param_grads_gpu(monkeypatch, M, N, dtype, case):
             for k, (a, p) in enumerate(zip(run, reference[0])):
                 err, tol = _sum_order_error(a, p)
                 assert err <= tol, (k, err)
+
+
+def test_pipeline_stages_fit_the_shared_memory_budget():
+    """The staged tiles of a pipelined loop stay within the budget (Triton keeps them in shared
+    memory: fp32 rows of 4K with four row inputs asked for 256 KB at 5 stages on the H200)."""
+    for stages, tile_bytes in itertools.product(range(1, 7), (4096, 65536, 98304, 200000)):
+        got = ln._pipeline_stages(stages, tile_bytes)
+        assert 1 <= got <= stages
+        assert got == 1 or (got - 1) * tile_bytes <= ln._PIPELINE_SMEM_BYTES, (stages, tile_bytes)
+        assert got == stages or got * tile_bytes > ln._PIPELINE_SMEM_BYTES  # capped only when needed
+    for block_n in (2**k for k in range(17)):
+        assert ln._fwd_programs_per_sm(block_n) is None or 1 <= ln._fwd_programs_per_sm(block_n) <= 32
+        assert isinstance(ln._fwd_num_stages(block_n), int) and ln._fwd_num_stages(block_n) >= 1
