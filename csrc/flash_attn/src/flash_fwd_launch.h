@@ -2,9 +2,12 @@
 // dtype x head dim x dropout x mask), which compile in parallel.
 #pragma once
 
+#include <cstdlib>
+
 #include "cuda_check.h"
 #include "flash.h"
 #include "flash_fwd_kernel.h"
+#include "flash_fwd_ws_kernel.h"
 #include "kernel_traits.h"
 #include "tile_sizes.h"
 
@@ -25,8 +28,40 @@ void launch_fwd(AttentionParams &params, cudaStream_t stream) {
     check_cuda(cudaGetLastError(), "launch of the forward kernel");
 }
 
+// DRAFT (flash_fwd_ws_kernel.h): the warp-specialised sm90 forward, opt-in with
+// FLASH_ATTN_SM90_WS=1, for what its draft covers.
+template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
+bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
+    if constexpr (Is_dropout || (kHeadDim != 64 && kHeadDim != 128)) {
+        return false;
+    } else {
+        static const bool enabled = [] {
+            const char *flag = std::getenv("FLASH_ATTN_SM90_WS");
+            int device = 0, major = 0;
+            cudaGetDevice(&device);
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+            return flag != nullptr && flag[0] == '1' && major == 9;
+        }();
+        using Ws = ForwardWs<kHeadDim, Element>;
+        const bool covered = params.cu_seqlens_q == nullptr && params.cu_seqlens_k == nullptr &&
+                             params.seqused_k == nullptr && params.leftpad_k == nullptr &&
+                             params.kv_batch_idx == nullptr && params.block_table == nullptr &&
+                             params.num_splits == 1 && params.s_dmask_ptr == nullptr && Ws::supports(params);
+        if (!enabled || !covered) { return false; }
+        auto kernel = &flash_fwd_ws_kernel<Ws, Is_masked>;
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
+                   "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised forward kernel");
+        const typename Ws::KernelArgs args = Ws::make_args(params);
+        const dim3 grid(ceil_div(params.seqlen_q, Ws::kBlockM), params.heads, params.batch);
+        kernel<<<grid, Ws::kThreads, Ws::kSmemSize, stream>>>(args);
+        check_cuda(cudaGetLastError(), "launch of the warp-specialised forward kernel");
+        return true;
+    }
+}
+
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 void run_mha_fwd_(AttentionParams &params, cudaStream_t stream) {
+    if (launch_fwd_ws<Element, kHeadDim, Is_dropout, Is_masked>(params, stream)) { return; }
     if constexpr (takes_decode_tile(0, Is_dropout, Is_masked)) {
         if (takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked)) {
             return launch_fwd<DecodeTile<kHeadDim>, Element, kHeadDim, Is_dropout, Is_masked>(params, stream);

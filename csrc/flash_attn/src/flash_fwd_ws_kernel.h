@@ -1,0 +1,265 @@
+// DRAFT, never run on a GPU (branch next/fwd-ws-draft): the sm90 forward with warp
+// specialisation. One producer warpgroup issues TMA loads of Q and of K/V tiles into a
+// kStages-deep shared-memory ring tracked by mbarriers (CUTLASS's PipelineTmaAsync), and gives
+// its registers to the two consumer warpgroups (setmaxnreg), which own 64 query rows each and run
+// S = Q K^T and O += P V on wgmma, the softmax and the score modifications (the pieces of the
+// mma.sync/wgmma kernel: score_mods.h, softmax.h, fwd_block_range.h).
+//
+// Scope of the draft: padded (not varlen, not paged) inputs, no dropout, no split-KV, head dims
+// 64 and 128; flash_fwd_launch.h takes it only with FLASH_ATTN_SM90_WS=1. Not yet: ping-pong of
+// the consumers, the softmax of block j overlapping S of block j + 1, a TMA-store epilogue, a
+// persistent scheduler.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "flash.h"
+#include "fwd_block_range.h"
+#include "kernel_traits.h"
+#include "score_mods.h"
+#include "sequence_info.h"
+#include "softmax.h"
+#include "utils.h"
+#include "wgmma.h"
+
+namespace flash {
+
+using namespace cute;
+
+template <int kHeadDim_, typename Element_>
+struct ForwardWs {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = 128, kBlockN = 128, kStages = 2;
+    static constexpr int kConsumerThreads = 256, kThreads = 128 + kConsumerThreads;
+    // The consumers' MMAs and views are those of the 8-warp forward tile (two warpgroups of 64 rows).
+    using Traits = ForwardTraits<kHeadDim, kBlockM, kBlockN, 8, Element>;
+    using Wgmma = ForwardWgmma<Traits>;
+    static_assert(Wgmma::kEnabled || !FLASH_WGMMA_ARCH);
+
+    using SmemLayoutQ = SmemKMajor<Element, kBlockM, kHeadDim>;
+    using SmemLayoutKV = SmemKMajor<Element, kBlockN, kHeadDim>;  // one stage
+    using SmemLayoutKVStages = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                      Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+    static constexpr int kTileElems = kBlockN * kHeadDim;
+
+    using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+    using PipelineState = typename Pipeline::PipelineState;
+
+    struct SharedStorage {
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKVStages>> k;
+        alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKVStages>> v;
+        typename Pipeline::SharedStorage pipeline_k, pipeline_v;
+        alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
+    };
+    static constexpr int kSmemSize = int(sizeof(SharedStorage));
+
+    // Global tensors as TMA sees them: (rows, head dim, heads, batch).
+    using ShapeQKV = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+    using StrideQKV = cute::Stride<int64_t, _1, int64_t, int64_t>;
+    using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                        make_tensor(make_gmem_ptr(static_cast<Element const *>(nullptr)),
+                                                    ShapeQKV{}, StrideQKV{}),
+                                        SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+    using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                         make_tensor(make_gmem_ptr(static_cast<Element const *>(nullptr)),
+                                                     ShapeQKV{}, StrideQKV{}),
+                                         SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+    static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+    static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+    struct KernelArgs {
+        AttentionParams params;
+        TmaQ tma_q;
+        TmaKV tma_k, tma_v;
+    };
+
+    static auto gmem_qkv(const void *ptr, int rows, int head_dim, int heads, int batch, int64_t row_stride,
+                         int64_t head_stride, int64_t batch_stride) {
+        return make_tensor(make_gmem_ptr(static_cast<Element const *>(ptr)),
+                           ShapeQKV{rows, head_dim, heads, batch},
+                           StrideQKV{row_stride, _1{}, head_stride, batch_stride});
+    }
+
+    static KernelArgs make_args(const AttentionParams &p) {
+        auto mQ = gmem_qkv(p.q_ptr, p.seqlen_q, p.head_dim, p.heads, p.batch, p.q_row_stride, p.q_head_stride,
+                           p.q_batch_stride);
+        const int heads_k = p.heads_k;
+        auto mK = gmem_qkv(p.k_ptr, p.seqlen_k, p.head_dim, heads_k, p.batch, p.k_row_stride, p.k_head_stride,
+                           p.k_batch_stride);
+        auto mV = gmem_qkv(p.v_ptr, p.seqlen_k, p.head_dim, heads_k, p.batch, p.v_row_stride, p.v_head_stride,
+                           p.v_batch_stride);
+        return {p,
+                make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}),
+                make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}),
+                make_tma_copy(SM90_TMA_LOAD{}, mV, SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{})};
+    }
+
+    // What TMA needs of the global tensors: 16-byte aligned bases and strides.
+    static bool supports(const AttentionParams &p) {
+        auto aligned = [](const void *ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+        constexpr int64_t kElemsPer16B = 16 / sizeof(Element);
+        for (int64_t stride : {p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.k_row_stride, p.k_head_stride,
+                               p.k_batch_stride, p.v_row_stride, p.v_head_stride, p.v_batch_stride}) {
+            if (stride % kElemsPer16B != 0) { return false; }
+        }
+        return aligned(p.q_ptr) && aligned(p.k_ptr) && aligned(p.v_ptr) && p.head_dim % kElemsPer16B == 0;
+    }
+};
+
+// Writes the consumers' normalised O (rows past the sequence and columns past head_dim skipped)
+// and the log-sum-exp, straight from registers.
+template <typename Ws, typename Acc, typename TC, int kRows>
+__device__ __forceinline__ void ws_store_o(const AttentionParams &params, const SequenceInfo &seq, Acc const &acc_o_rowcol,
+                                           TC const &tOcO_rc, const float (&lse)[kRows], int m_block, int bidb,
+                                           int bidh) {
+    using Element = typename Ws::Element;
+    Element *o = reinterpret_cast<Element *>(params.o_ptr) + int64_t(bidb) * params.o_batch_stride +
+                 int64_t(bidh) * params.o_head_stride;
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(acc_o_rowcol); ++r) {
+        const int row = m_block * Ws::kBlockM + get<0>(tOcO_rc(r, 0));
+        if (row >= seq.seqlen_q) { continue; }
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(acc_o_rowcol); ++c) {
+            const int col = get<1>(tOcO_rc(r, c));
+            if (col < params.head_dim) { o[int64_t(row) * params.o_row_stride + col] = Element(acc_o_rowcol(r, c)); }
+        }
+        if (get<1>(tOcO_rc(r, 0)) == 0) {  // one lane of the quad writes the row's statistics
+            params.softmax_lse_ptr[lse_index(params, seq, bidb, bidh, row)] = lse[r];
+        }
+    }
+}
+
+template <typename Ws, bool Is_masked>
+__global__ void __launch_bounds__(Ws::kThreads, 1)
+flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
+#if FLASH_WGMMA_ARCH
+    using Element = typename Ws::Element;
+    using Pipeline = typename Ws::Pipeline;
+    using PipelineState = typename Ws::PipelineState;
+    constexpr int kBlockM = Ws::kBlockM, kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim;
+    const AttentionParams &params = args.params;
+
+    extern __shared__ __align__(1024) char smem_raw[];
+    auto &storage = *reinterpret_cast<typename Ws::SharedStorage *>(smem_raw);
+
+    // Heaviest query blocks first; heads fastest so a GQA group's CTAs run side by side.
+    const int m_block = gridDim.x - 1 - blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+    const int bidh_k = bidh / params.heads_per_head_k;
+    const int warpgroup = threadIdx.x / 128;
+    const SequenceInfo seq(params, bidb);
+    const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);
+
+    // Barriers: Q's (one arrival: the producer's expect-tx), and the K and V rings.
+    if (threadIdx.x == 0) {
+        storage.barrier_q.init(1);
+        cutlass::arch::fence_barrier_init();
+    }
+    typename Pipeline::Params pipe_params;
+    pipe_params.transaction_bytes = Ws::kBytesKV;
+    pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    pipe_params.is_leader = threadIdx.x == 0;
+    pipe_params.num_consumers = Ws::kConsumerThreads;
+    Pipeline pipeline_k(storage.pipeline_k, pipe_params, Shape<_1, _1, _1>{}, cute::true_type{}, cute::true_type{});
+    Pipeline pipeline_v(storage.pipeline_v, pipe_params, Shape<_1, _1, _1>{}, cute::true_type{}, cute::true_type{});
+    __syncthreads();  // barriers initialised before anyone waits on them
+
+    Tensor sQ = make_tensor(make_smem_ptr(storage.q.data()), typename Ws::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Ws::SmemLayoutKVStages{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Ws::SmemLayoutKVStages{});
+
+    if (warpgroup == 0) {  // producer
+        cutlass::arch::warpgroup_reg_dealloc<24>();
+        if (threadIdx.x / 32 == 0 && cute::elect_one_sync()) {
+            Tensor mQ = args.tma_q.get_tma_tensor(make_shape(params.seqlen_q, params.head_dim, params.heads, params.batch));
+            const int heads_k = params.heads_k;
+            Tensor mK = args.tma_k.get_tma_tensor(make_shape(params.seqlen_k, params.head_dim, heads_k, params.batch));
+            Tensor mV = args.tma_v.get_tma_tensor(make_shape(params.seqlen_k, params.head_dim, heads_k, params.batch));
+            Tensor gQ = local_tile(mQ(_, _, bidh, bidb), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+            Tensor gK = local_tile(mK(_, _, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+            Tensor gV = local_tile(mV(_, _, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+            auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                              group_modes<0, 2>(gQ));
+            auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                              group_modes<0, 2>(gK));
+            auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                              group_modes<0, 2>(gV));
+            using BarrierType = typename Pipeline::ProducerBarrierType;
+            storage.barrier_q.arrive_and_expect_tx(Ws::kBytesQ);
+            copy(args.tma_q.with(reinterpret_cast<BarrierType &>(storage.barrier_q), 0), tQgQ, tQsQ);
+            PipelineState state = cutlass::make_producer_start_state<Pipeline>();
+            for (int n_block = range.n_block_max - 1; n_block >= range.n_block_min; --n_block) {
+                pipeline_k.producer_acquire(state);
+                copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKgK(_, n_block),
+                     tKsK(_, state.index()));
+                pipeline_v.producer_acquire(state);
+                copy(args.tma_v.with(*pipeline_v.producer_get_barrier(state), 0), tVgV(_, n_block),
+                     tVsV(_, state.index()));
+                ++state;
+            }
+        }
+        return;
+    }
+
+    // Consumers: threads 128..383, as threads 0..255 of the two-warpgroup MMAs.
+    cutlass::arch::warpgroup_reg_alloc<240>();
+    const int ctid = threadIdx.x - 128;
+    using Wgmma = typename Ws::Wgmma;
+    typename Wgmma::TiledMmaS tiled_mma_s;
+    typename Wgmma::TiledMmaO tiled_mma_o;
+    auto thr_s = tiled_mma_s.get_thread_slice(ctid);
+    auto thr_o = tiled_mma_o.get_thread_slice(ctid);
+    Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_o);
+    Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_as_rowcol(acc_o.layout()));
+    constexpr int kRows = decltype(size<0>(acc_o_rowcol))::value;
+    OnlineSoftmax<kRows> softmax;
+    Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
+    const ScoreMods score_mods = ScoreMods::make(params, seq, bidb, bidh);
+
+    storage.barrier_q.wait(0);
+    Tensor tSrQ = thr_s.partition_fragment_A(smem_view(storage.q.data(), typename Wgmma::SmemLayoutQ{}));
+    PipelineState state;  // consumers start at phase 0
+    for (int n_block = range.n_block_max - 1; n_block >= range.n_block_min; --n_block) {
+        const int stage = state.index();
+        Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        pipeline_k.consumer_wait(state);
+        wgmma_gemm<true>(tiled_mma_s, tSrQ,
+                         thr_s.partition_fragment_B(smem_view(storage.k.data() + stage * Ws::kTileElems,
+                                                              typename Wgmma::SmemLayoutK{})),
+                         acc_s);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_s);
+        pipeline_k.consumer_release(state);
+
+        Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
+        score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
+        softmax.update(scores, acc_o_rowcol, params.score_scale_log2);
+        Tensor rP = convert_type<Element>(acc_s);
+        Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
+
+        pipeline_v.consumer_wait(state);
+        wgmma_gemm<false, true>(tiled_mma_o, tOrP,
+                                thr_o.partition_fragment_B(smem_view(storage.v.data() + stage * Ws::kTileElems,
+                                                                     typename Wgmma::SmemLayoutVt{})),
+                                acc_o);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        pipeline_v.consumer_release(state);
+        ++state;
+    }
+
+    float lse[kRows];
+    softmax.finalize(acc_o_rowcol, params.score_scale, 1.f, lse, INFINITY);
+    Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tOcO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
+    ws_store_o<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh);
+#endif
+}
+
+}  // namespace flash
