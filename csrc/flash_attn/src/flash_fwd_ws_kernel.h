@@ -106,7 +106,9 @@ struct ForwardWs {
                                p.k_batch_stride, p.v_row_stride, p.v_head_stride, p.v_batch_stride}) {
             if (stride % kElemsPer16B != 0) { return false; }
         }
-        return aligned(p.q_ptr) && aligned(p.k_ptr) && aligned(p.v_ptr) && p.head_dim % kElemsPer16B == 0;
+        // Empty sequences: a TMA descriptor cannot have a zero dimension (the other path writes them).
+        return p.seqlen_q > 0 && p.seqlen_k > 0 && aligned(p.q_ptr) && aligned(p.k_ptr) && aligned(p.v_ptr) &&
+               p.head_dim % kElemsPer16B == 0;
     }
 };
 
@@ -147,7 +149,7 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     extern __shared__ __align__(1024) char smem_raw[];
     auto &storage = *reinterpret_cast<typename Ws::SharedStorage *>(smem_raw);
 
-    // Heaviest query blocks first; heads fastest so a GQA group's CTAs run side by side.
+    // Heaviest query blocks first (blockIdx.x, the fastest index, walks the query blocks backwards).
     const int m_block = gridDim.x - 1 - blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
     const int bidh_k = bidh / params.heads_per_head_k;
     const int warpgroup = threadIdx.x / 128;
@@ -174,7 +176,7 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
 
     if (warpgroup == 0) {  // producer
         cutlass::arch::warpgroup_reg_dealloc<24>();
-        if (threadIdx.x / 32 == 0 && cute::elect_one_sync()) {
+        if (threadIdx.x == 0) {  // the pipeline's leader (is_leader): it arms the barriers it loads into
             Tensor mQ = args.tma_q.get_tma_tensor(make_shape(params.seqlen_q, params.head_dim, params.heads, params.batch));
             const int heads_k = params.heads_k;
             Tensor mK = args.tma_k.get_tma_tensor(make_shape(params.seqlen_k, params.head_dim, heads_k, params.batch));
@@ -259,6 +261,8 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
     ws_store_o<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh);
+#else
+    __trap();  // only sm_90a images reach here; never leave O unwritten
 #endif
 }
 
