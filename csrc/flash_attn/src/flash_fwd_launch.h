@@ -28,8 +28,8 @@ void launch_fwd(AttentionParams &params, cudaStream_t stream) {
     check_cuda(cudaGetLastError(), "launch of the forward kernel");
 }
 
-// DRAFT (flash_fwd_ws_kernel.h): the warp-specialised sm90 forward, opt-in with
-// FLASH_ATTN_SM90_WS=1, for what its draft covers.
+// The warp-specialised sm90 forward (flash_fwd_ws_kernel.h), opt-in with
+// FLASH_ATTN_SM90_WS=1, for the inputs it covers (else the default kernel runs).
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
     if constexpr (Is_dropout || (kHeadDim != 64 && kHeadDim != 128)) {

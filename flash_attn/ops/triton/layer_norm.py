@@ -385,7 +385,7 @@ def _block_n(x, N):
 # Hidden 1K-8K on the H200 (bf16; benchmarks/RESULTS.md, session sixth: .gpu/ln_probe2/3 sweeps of
 # LayerNorm, RMSNorm and dropout + residual + LayerNorm, the config with the best worst case):
 # forward (rows per tile, warps, looping programs per SM, stages), the backward's programs per SM.
-_FWD_TILES = {1024: (2, 2, 16, 3), 2048: (1, 4, 4, 4), 4096: (1, 4, 4, 3), 8192: (1, 8, 2, 3)}
+_FWD_TILES = {1024: (1, 1, 16, 3), 2048: (1, 4, 4, 4), 4096: (1, 4, 4, 3), 8192: (1, 8, 2, 3)}
 _BWD_PROGRAMS_PER_SM = {1024: 4, 2048: 2, 4096: 4, 8192: 2}
 # Shared memory that the tiles in flight of a pipelined loop may take (Triton stages them there):
 # under the H200's 227 KB a block, with room for the reductions' scratch.
@@ -393,9 +393,9 @@ _PIPELINE_SMEM_BYTES = 160 * 1024
 
 
 def _fwd_tile(block_n):
-    """(rows per tile, num_warps) of the forward: _FWD_TILES at 1K-8K (at 1K, 2 rows on 2 warps:
-    85-89% of copy against 61-78% for a row on 4 warps); otherwise a row on block_n / 512 warps (up
-    to 16), shorter rows grouped up to 1K elements a tile."""
+    """(rows per tile, num_warps) of the forward: _FWD_TILES at 1K-8K (at 1K a row on one warp,
+    87-88% of copy looping 16 programs per SM, against 76-82% for a program per row on 4 warps);
+    otherwise a row on block_n / 512 warps (up to 16), shorter rows grouped up to 1K elements."""
     if block_n in _FWD_TILES:
         return _FWD_TILES[block_n][:2]
     rows = min(max(1024 // block_n, 1), 16)

@@ -1,0 +1,71 @@
+"""The opt-in warp-specialised sm90 forward (FLASH_ATTN_SM90_WS=1; the binding reads the flag once
+per process, so the cases run in child processes): flash-attn's error rule against the fp32
+reference for every score modifier and head layout it covers (test_flash_attn_interface's
+_run_and_check), and proof that the flag changes the kernel (its outputs differ from the default
+kernel's in the last bits somewhere; bitwise equal everywhere would mean it never ran).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+
+CHILD = textwrap.dedent("""
+    import itertools, sys
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    from test_flash_attn_interface import _run_and_check
+    from flash_attn import flash_attn_func
+
+    cases = 0
+    for d, dtype, mha_type, (causal, local), (alibi, softcap), (sq, sk) in itertools.product(
+            (64, 128), (torch.bfloat16, torch.float16), ("mha", "gqa"),
+            ((False, False), (True, False), (False, True), (True, True)),
+            ((False, 0.0), (True, 0.0), (False, 30.0)), ((113, 203), (1025, 1024), (1, 239))):
+        if sys.argv[3] != "check":
+            break
+        torch.manual_seed(sq * 7 + sk + d)
+        _run_and_check(2, sq, sk, d, dtype, mha_type, causal, local, alibi, softcap, 0.0)
+        cases += 1
+    outs = {}
+    for d, causal in itertools.product((64, 128), (False, True)):
+        torch.manual_seed(d)
+        q, k, v = (torch.randn(2, 1000, 8, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        outs[d, causal] = flash_attn_func(q, k, v, causal=causal).cpu()
+    torch.save(outs, sys.argv[2])
+    print(f"{cases} cases passed the error rule")
+""")
+
+
+def _child(tmp_path, ws):
+    out_file = tmp_path / f"outs_{int(ws)}.pt"
+    env = dict(os.environ)
+    env.pop("FLASH_ATTN_SM90_WS", None)
+    if ws:
+        env["FLASH_ATTN_SM90_WS"] = "1"
+    # The default kernel's error rule is test_flash_attn_interface's: here only its outputs.
+    run = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(out_file),
+                          "check" if ws else "outputs"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert not ws or "288 cases passed the error rule" in run.stdout, run.stdout[-3000:]
+    return torch.load(out_file)
+
+
+@pytest.mark.gpu
+def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised forward is sm90 only")
+    ws, default = _child(tmp_path, True), _child(tmp_path, False)
+    assert ws.keys() == default.keys()
+    for key in ws:
+        torch.testing.assert_close(ws[key], default[key], atol=4e-3, rtol=0)
+    assert any(not torch.equal(ws[key], default[key]) for key in ws), (
+        "FLASH_ATTN_SM90_WS=1 gave bitwise the default kernel's outputs: the flag did nothing")
