@@ -1,5 +1,6 @@
-"""The opt-in warp-specialised sm90 forward (FLASH_ATTN_SM90_WS=1; the binding reads the flag once
-per process, so the cases run in child processes): flash-attn's error rule against the fp32
+"""The opt-in warp-specialised sm90 forward (FLASH_ATTN_SM90_WS=1 its plain consumer loop, 2 the
+overlapped ping-pong one; the binding reads the flag once per process, so the cases run in child
+processes): flash-attn's error rule against the fp32
 reference for every score modifier and head layout it covers (test_flash_attn_interface's
 _run_and_check), and proof that the flag changes the kernel (its outputs differ from the default
 kernel's in the last bits somewhere; bitwise equal everywhere would mean it never ran).
@@ -45,27 +46,29 @@ CHILD = textwrap.dedent("""
 
 
 def _child(tmp_path, ws):
-    out_file = tmp_path / f"outs_{int(ws)}.pt"
+    """ws: the FLASH_ATTN_SM90_WS value, or 0 for the default kernel."""
+    out_file = tmp_path / f"outs_{ws}.pt"
     env = dict(os.environ)
     env.pop("FLASH_ATTN_SM90_WS", None)
     if ws:
-        env["FLASH_ATTN_SM90_WS"] = "1"
+        env["FLASH_ATTN_SM90_WS"] = str(ws)
     # The default kernel's error rule is test_flash_attn_interface's: here only its outputs.
     run = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(out_file),
                           "check" if ws else "outputs"], env=env,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert not ws or "288 cases passed the error rule" in run.stdout, run.stdout[-3000:]
     return torch.load(out_file)
 
 
 @pytest.mark.gpu
-def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path):
+@pytest.mark.parametrize("mode", [1, 2])
+def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path, mode):
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward is sm90 only")
-    ws, default = _child(tmp_path, True), _child(tmp_path, False)
+    ws, default = _child(tmp_path, mode), _child(tmp_path, 0)
     assert ws.keys() == default.keys()
     for key in ws:
         torch.testing.assert_close(ws[key], default[key], atol=4e-3, rtol=0)
     assert any(not torch.equal(ws[key], default[key]) for key in ws), (
-        "FLASH_ATTN_SM90_WS=1 gave bitwise the default kernel's outputs: the flag did nothing")
+        f"FLASH_ATTN_SM90_WS={mode} gave bitwise the default kernel's outputs: the flag did nothing")

@@ -28,27 +28,31 @@ void launch_fwd(AttentionParams &params, cudaStream_t stream) {
     check_cuda(cudaGetLastError(), "launch of the forward kernel");
 }
 
-// The warp-specialised sm90 forward (flash_fwd_ws_kernel.h), opt-in with
-// FLASH_ATTN_SM90_WS=1, for the inputs it covers (else the default kernel runs).
+// The warp-specialised sm90 forward (flash_fwd_ws_kernel.h), opt-in with FLASH_ATTN_SM90_WS=1
+// (or 2), for the inputs it covers (else the default kernel runs).
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
     if constexpr (Is_dropout || (kHeadDim != 64 && kHeadDim != 128)) {
         return false;
     } else {
-        static const bool enabled = [] {
+        // FLASH_ATTN_SM90_WS: 1 the plain consumer loop, 2 the overlapped, ping-pong one.
+        static const int mode = [] {
             const char *flag = std::getenv("FLASH_ATTN_SM90_WS");
             int device = 0, major = 0;
             cudaGetDevice(&device);
             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-            return flag != nullptr && flag[0] == '1' && major == 9;
+            return flag != nullptr && (flag[0] == '1' || flag[0] == '2') && flag[1] == '\0' && major == 9
+                       ? flag[0] - '0'
+                       : 0;
         }();
         using Ws = ForwardWs<kHeadDim, Element>;
         const bool covered = params.cu_seqlens_q == nullptr && params.cu_seqlens_k == nullptr &&
                              params.seqused_k == nullptr && params.leftpad_k == nullptr &&
                              params.kv_batch_idx == nullptr && params.block_table == nullptr &&
                              params.num_splits == 1 && params.s_dmask_ptr == nullptr && Ws::supports(params);
-        if (!enabled || !covered) { return false; }
-        auto kernel = &flash_fwd_ws_kernel<Ws, Is_masked>;
+        if (mode == 0 || !covered) { return false; }
+        auto kernel = mode == 2 ? &flash_fwd_ws_kernel<Ws, Is_masked, /*Overlap=*/true>
+                                : &flash_fwd_ws_kernel<Ws, Is_masked, /*Overlap=*/false>;
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
                    "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised forward kernel");
         const typename Ws::KernelArgs args = Ws::make_args(params);

@@ -137,7 +137,23 @@ __device__ __forceinline__ void ws_store_o(const AttentionParams &params, const 
     }
 }
 
-template <typename Ws, bool Is_masked>
+// The two consumer warpgroups' turns at the tensor cores (Overlap): named barriers 1 and 2 (0 is
+// __syncthreads'), 256 threads each: the waiting warpgroup's 128 and the other's 128 arrivals.
+__device__ __forceinline__ void ws_wait_turn(int consumer) {
+#if FLASH_WGMMA_ARCH
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
+#endif
+}
+__device__ __forceinline__ void ws_pass_turn(int consumer) {
+#if FLASH_WGMMA_ARCH
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+#endif
+}
+
+// Overlap: each consumer issues S of key block j + 1 together with O += P V of block j, then
+// exponentiates S while P V still runs (O is rescaled after it lands), and the two consumers take
+// turns issuing (ping-pong), so one's softmax runs while the other's GEMMs do.
+template <typename Ws, bool Is_masked, bool Overlap>
 __global__ void __launch_bounds__(Ws::kThreads, 1)
 flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
 #if FLASH_WGMMA_ARCH
@@ -227,34 +243,83 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
 
     storage.barrier_q.wait(0);
     Tensor tSrQ = thr_s.partition_fragment_A(smem_view(storage.q.data(), typename Wgmma::SmemLayoutQ{}));
-    PipelineState state;  // consumers start at phase 0
-    for (int n_block = range.n_block_max - 1; n_block >= range.n_block_min; --n_block) {
-        const int stage = state.index();
-        Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        pipeline_k.consumer_wait(state);
-        wgmma_gemm<true>(tiled_mma_s, tSrQ,
-                         thr_s.partition_fragment_B(smem_view(storage.k.data() + stage * Ws::kTileElems,
-                                                              typename Wgmma::SmemLayoutK{})),
-                         acc_s);
+    auto tSrK = [&](int stage) {
+        return thr_s.partition_fragment_B(smem_view(storage.k.data() + stage * Ws::kTileElems,
+                                                    typename Wgmma::SmemLayoutK{}));
+    };
+    auto tOrV = [&](int stage) {
+        return thr_o.partition_fragment_B(smem_view(storage.v.data() + stage * Ws::kTileElems,
+                                                    typename Wgmma::SmemLayoutVt{}));
+    };
+    // S = Q K^T of a key block, waited for, its K stage released, masked and exponentiated (acc_o
+    // rescaled with it): acc_s then holds P.
+    auto scores_to_p = [&](auto &acc_s, auto &scores, PipelineState const &stage_state, int n_block) {
+        pipeline_k.consumer_wait(stage_state);
+        wgmma_gemm<true>(tiled_mma_s, tSrQ, tSrK(stage_state.index()), acc_s);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_s);
-        pipeline_k.consumer_release(state);
-
-        Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
+        pipeline_k.consumer_release(stage_state);
         score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
         softmax.update(scores, acc_o_rowcol, params.score_scale_log2);
+    };
+    PipelineState state;  // consumers start at phase 0
+    if constexpr (!Overlap) {
+        for (int n_block = range.n_block_max - 1; n_block >= range.n_block_min; --n_block) {
+            Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+            Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
+            scores_to_p(acc_s, scores, state, n_block);
+            Tensor rP = convert_type<Element>(acc_s);
+            Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
+
+            pipeline_v.consumer_wait(state);
+            wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state.index()), acc_o);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(acc_o);
+            pipeline_v.consumer_release(state);
+            ++state;
+        }
+    } else if (range.n_block_max > range.n_block_min) {
+        // Block j's S -> P (registers, the input dtype); the loop then issues S of j + 1 with P V of j.
+        const int consumer = warpgroup - 1;
+        const int turns = range.n_block_max - range.n_block_min - 1;  // the same for both consumers
+        int n_block = range.n_block_max - 1;
+        Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
+        scores_to_p(acc_s, scores, state, n_block);
         Tensor rP = convert_type<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
-
-        pipeline_v.consumer_wait(state);
-        wgmma_gemm<false, true>(tiled_mma_o, tOrP,
-                                thr_o.partition_fragment_B(smem_view(storage.v.data() + stage * Ws::kTileElems,
-                                                                     typename Wgmma::SmemLayoutVt{})),
-                                acc_o);
+        PipelineState state_v = state;  // the stage of P's V
+        ++state;
+        // The first turn is consumer 0's: consumer 1 opens it. Each turn's end opens the other's,
+        // except consumer 1's last, which no turn would take (every arrival is waited for).
+        if (consumer == 1 && turns > 0) { ws_pass_turn(consumer); }
+        for (int turn = 0; turn < turns; ++turn) {
+            --n_block;
+            ws_wait_turn(consumer);
+            pipeline_k.consumer_wait(state);
+            wgmma_gemm<true>(tiled_mma_s, tSrQ, tSrK(state.index()), acc_s);
+            pipeline_v.consumer_wait(state_v);
+            wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state_v.index()), acc_o);
+            if (!(consumer == 1 && turn == turns - 1)) { ws_pass_turn(consumer); }
+            warpgroup_wait<1>();  // S of this block landed; P V of the last may still run
+            warpgroup_fence_operand(acc_s);
+            pipeline_k.consumer_release(state);
+            score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
+            float rescale[kRows];
+            softmax.update_scores(scores, rescale, params.score_scale_log2);
+            warpgroup_wait<0>();  // P V landed: rP and the V stage are free, acc_o is final
+            warpgroup_fence_operand(acc_o);
+            pipeline_v.consumer_release(state_v);
+            softmax.rescale_o(acc_o_rowcol, rescale);
+            rP = convert_type<Element>(acc_s);
+            state_v = state;
+            ++state;
+        }
+        pipeline_v.consumer_wait(state_v);
+        wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state_v.index()), acc_o);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_o);
-        pipeline_v.consumer_release(state);
-        ++state;
+        pipeline_v.consumer_release(state_v);
     }
 
     float lse[kRows];

@@ -28,6 +28,15 @@ struct OnlineSoftmax {
     // with the scale folded into one FFMA; acc_o (rows, head_dim) is rescaled to the new max.
     template <typename TS, typename TO>
     __device__ __forceinline__ void update(TS &scores, TO &acc_o, float scale_log2) {
+        float rescale[kRows];
+        update_scores(scores, rescale, scale_log2);
+        rescale_o(acc_o, rescale);
+    }
+
+    // update() in two halves, for a caller whose acc_o is still being accumulated into (by a
+    // wgmma in flight) while the scores are exponentiated: each row's factor, then rescale_o.
+    template <typename TS>
+    __device__ __forceinline__ void update_scores(TS &scores, float (&rescale)[kRows], float scale_log2) {
         static_assert(decltype(size<0>(scores))::value == kRows);
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
@@ -37,11 +46,9 @@ struct OnlineSoftmax {
             block_max = quad_allreduce(block_max, MaxOp{});
             // A row with every key masked so far keeps max -inf; use 0 so exp gives 0, not NaN.
             const float max_scaled = block_max == -INFINITY ? 0.f : block_max * scale_log2;
-            const float rescale = exp2f(row_max[r] * scale_log2 - max_scaled);
+            rescale[r] = exp2f(row_max[r] * scale_log2 - max_scaled);
             row_max[r] = block_max;
-            row_sum[r] *= rescale;
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= rescale; }
+            row_sum[r] *= rescale[r];
             float sum = 0.f;
             CUTE_UNROLL
             for (int c = 0; c < size<1>(scores); ++c) {
@@ -49,6 +56,15 @@ struct OnlineSoftmax {
                 sum += scores(r, c);
             }
             row_sum[r] += sum;
+        }
+    }
+
+    template <typename TO>
+    __device__ __forceinline__ void rescale_o(TO &acc_o, const float (&rescale)[kRows]) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(acc_o); ++c) { acc_o(r, c) *= rescale[r]; }
         }
     }
 

@@ -411,8 +411,9 @@ def _fwd_programs_per_sm(block_n):
 
 
 def _fwd_num_stages(block_n):
-    """Pipelining depth of the forward's tile loop (_FWD_TILES); 1 where a program takes one tile
-    (a one-trip loop staged deeper only took shared memory: 4K at 65% of copy against 91%)."""
+    """Pipelining depth of the forward's tile loop (_FWD_TILES); 1 where a program takes one tile,
+    as before the loop existed: staging a one-trip loop only takes shared memory (at 4K, a program
+    per row staged 2 deep gave LayerNorm 67.5% of copy in the session-six sweep)."""
     return _FWD_TILES[block_n][3] if block_n in _FWD_TILES else 1
 
 
