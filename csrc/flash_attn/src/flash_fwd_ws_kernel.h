@@ -1,15 +1,15 @@
-// Opt-in (FLASH_ATTN_SM90_WS=1) while it covers less than the default path: the sm90 forward
-// with warp specialisation. One producer warpgroup issues TMA loads of Q and of K/V tiles into a
-// kStages-deep shared-memory ring tracked by mbarriers (CUTLASS's PipelineTmaAsync), and gives
-// its registers to the two consumer warpgroups (setmaxnreg), which own 64 query rows each and run
-// S = Q K^T and O += P V on wgmma, the softmax and the score modifications (the pieces of the
-// mma.sync/wgmma kernel: score_mods.h, softmax.h, fwd_block_range.h).
+// Opt-in (FLASH_ATTN_SM90_WS=1 or 2) while it covers less than the default path: the sm90
+// forward with warp specialisation. One producer warpgroup issues TMA loads of Q and of K/V tiles
+// into a kStages-deep shared-memory ring tracked by mbarriers (CUTLASS's PipelineTmaAsync), and
+// gives its registers to the two consumer warpgroups (setmaxnreg), which own 64 query rows each
+// and run S = Q K^T and O += P V on wgmma, the softmax and the score modifications (the pieces of
+// the mma.sync/wgmma kernel: score_mods.h, softmax.h, fwd_block_range.h). Mode 2 (Overlap) issues
+// S of block j + 1 with P V of block j and has the consumers take turns (ping-pong).
 //
 // Scope: padded (not varlen, not paged) inputs, no dropout, no split-KV, head dims 64 and 128;
-// flash_fwd_launch.h takes it only with FLASH_ATTN_SM90_WS=1 (its results differ from the default
-// kernel's in the last bits, so plain and varlen calls would no longer agree bitwise). Not yet:
-// ping-pong of the consumers, the softmax of block j overlapping S of block j + 1, a TMA-store
-// epilogue, a persistent scheduler.
+// flash_fwd_launch.h takes it only when asked (its results differ from the default kernel's in
+// the last bits, so plain and varlen calls would no longer agree bitwise). Not yet: a TMA-store
+// epilogue, a persistent scheduler (it loses to the default kernel at s2k causal), varlen.
 #pragma once
 
 #include <cute/tensor.hpp>
