@@ -382,9 +382,9 @@ def _block_n(x, N):
     return triton.next_power_of_2(N)
 
 
-# Hidden 1K-8K on the H200 (bf16; benchmarks/RESULTS.md, session sixth: .gpu/ln_probe2/3 sweeps of
-# LayerNorm, RMSNorm and dropout + residual + LayerNorm, the config with the best worst case):
-# forward (rows per tile, warps, looping programs per SM, stages), the backward's programs per SM.
+# Hidden 1K-8K on the H200 (bf16; the sweeps of LayerNorm, RMSNorm and dropout + residual +
+# LayerNorm in benchmarks/RESULTS.md, session sixth, the config with the best worst case): forward
+# (rows per tile, warps, looping programs per SM, stages), the backward's programs per SM.
 _FWD_TILES = {1024: (1, 1, 16, 3), 2048: (1, 4, 4, 4), 4096: (1, 4, 4, 3), 8192: (1, 8, 2, 3)}
 _BWD_PROGRAMS_PER_SM = {1024: 4, 2048: 2, 4096: 4, 8192: 2}
 # Shared memory that the tiles in flight of a pipelined loop may take (Triton stages them there):
