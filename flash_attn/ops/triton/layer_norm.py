@@ -9,7 +9,7 @@ weight / bias gradient sums in registers, then adds the bands up: with fp32 atom
 program writing the gradients, or deterministically in PyTorch (_atomic_param_grads). The tile
 shapes and the pipelining depth come from _fwd_tile / _bwd_tile / _bwd_num_stages (measured on
 the H200).
-Dropout draws come from Philox (four per call, _dropout_keep) with one seed per row taken from
+Dropout draws come from Philox (four per call, _dropout) with one seed per row taken from
 PyTorch's generator, so the backward regenerates the mask instead of reading it. Runs on CPU
 tensors under TRITON_INTERPRET=1.
 """
@@ -101,12 +101,14 @@ def rms_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=No
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dropout_keep(seeds, dropout_p, BLOCK_N: tl.constexpr):
-    """(rows, BLOCK_N) keep mask of the rows' seeds: 7 Philox rounds (enough mixing for dropout,
-    fewer registers than the default 10), one seed per row and the column as the counter, so the
-    backward draws the same mask. Each Philox call gives four 32-bit draws: column c takes draw
-    c % 4 of counter c // 4, a quarter of the calls of one draw per column (the draws were what
-    bound the dropout kernels: about 100 integer instructions per element against 9-11 bytes)."""
+def _dropout(v, SEEDS, rows, in_rows, dropout_p, BLOCK_N: tl.constexpr):
+    """(v dropped and rescaled, keep mask) for the (rows, BLOCK_N) tile v, with the rows' seeds at
+    SEEDS: 7 Philox rounds (enough mixing for dropout, fewer registers than the default 10), one
+    seed per row and the column as the counter, so the backward draws the same mask. Each Philox
+    call gives four 32-bit draws: column c takes draw c % 4 of counter c // 4, a quarter of the
+    calls of one draw per column (the draws were what bound the dropout kernels: about 100
+    integer instructions per element against 9-11 bytes)."""
+    seeds = tl.load(SEEDS + rows, mask=in_rows, other=0).to(tl.uint32)
     if BLOCK_N >= 4:
         quads = tl.arange(0, BLOCK_N // 4)
         r0, r1, r2, r3 = tl.randint4x(seeds[:, None], quads[None, :], n_rounds=7)
@@ -114,7 +116,8 @@ def _dropout_keep(seeds, dropout_p, BLOCK_N: tl.constexpr):
         draws = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
     else:
         draws = tl.randint(seeds[:, None], tl.arange(0, BLOCK_N)[None, :], n_rounds=7)
-    return tl.random.uint_to_uniform_float(draws) > dropout_p
+    keep = tl.random.uint_to_uniform_float(draws) > dropout_p
+    return tl.where(keep, v / (1.0 - dropout_p), 0.0), keep
 
 
 @triton.jit
@@ -156,17 +159,13 @@ def _layer_norm_fwd_kernel(
         if HAS_ROWSCALE:
             x *= tl.load(ROWSCALE + rows, mask=in_rows, other=0.0).to(tl.float32)[:, None]
         if HAS_DROPOUT:
-            seeds = tl.load(SEEDS + rows, mask=in_rows, other=0).to(tl.uint32)
-            keep = _dropout_keep(seeds, dropout_p, BLOCK_N)
-            x = tl.where(keep, x / (1.0 - dropout_p), 0.0)
+            x, keep = _dropout(x, SEEDS, rows, in_rows, dropout_p, BLOCK_N)
             if STORE_DROPOUT_MASK:
                 tl.store(DROPOUT_MASK + row * N + col, keep, mask=mask)
         if HAS_X1:
             x1 = tl.load(X1 + row * stride_x1_row + col, mask=mask, other=0.0).to(tl.float32)
             if HAS_DROPOUT:
-                seeds1 = tl.load(SEEDS + M + rows, mask=in_rows, other=0).to(tl.uint32)
-                keep1 = _dropout_keep(seeds1, dropout_p, BLOCK_N)
-                x1 = tl.where(keep1, x1 / (1.0 - dropout_p), 0.0)
+                x1, keep1 = _dropout(x1, SEEDS + M, rows, in_rows, dropout_p, BLOCK_N)
                 if STORE_DROPOUT_MASK:
                     tl.store(DROPOUT_MASK1 + row * N + col, keep1, mask=mask)
             x += x1
@@ -298,17 +297,13 @@ def _layer_norm_bwd_kernel(
             tl.store(DRESIDUAL_IN + row * stride_dres_in_row + col, dx, mask=mask)
         if HAS_DX1:
             if HAS_DROPOUT:
-                # The forward's draws (_dropout_keep).
-                seeds1 = tl.load(SEEDS + M + rows, mask=in_band, other=0).to(tl.uint32)
-                keep1 = _dropout_keep(seeds1, dropout_p, BLOCK_N)
-                dx1 = tl.where(keep1, dx / (1.0 - dropout_p), 0.0)
+                # The forward's mask of x1, drawn again.
+                dx1, _ = _dropout(dx, SEEDS + M, rows, in_band, dropout_p, BLOCK_N)
             else:
                 dx1 = dx
             tl.store(DX1 + row * stride_dx1_row + col, dx1, mask=mask)
         if HAS_DROPOUT:
-            seeds = tl.load(SEEDS + rows, mask=in_band, other=0).to(tl.uint32)
-            keep = _dropout_keep(seeds, dropout_p, BLOCK_N)
-            dx = tl.where(keep, dx / (1.0 - dropout_p), 0.0)
+            dx, _ = _dropout(dx, SEEDS, rows, in_band, dropout_p, BLOCK_N)
         if HAS_ROWSCALE:
             dx *= tl.load(ROWSCALE + rows, mask=in_band, other=0.0).to(tl.float32)[:, None]
         tl.store(DX + row * stride_dx_row + col, dx, mask=mask)
@@ -415,6 +410,11 @@ def _fwd_num_stages(block_n):
     as before the loop existed: staging a one-trip loop only takes shared memory (at 4K, a program
     per row staged 2 deep gave LayerNorm 67.5% of copy in the session-six sweep)."""
     return _FWD_TILES[block_n][3] if block_n in _FWD_TILES else 1
+
+
+def _tile_bytes(rows, block_n, *row_inputs):
+    """Bytes a loop iteration loads of the row inputs (the absent ones None) for a tile of rows."""
+    return rows * block_n * sum(t.element_size() for t in row_inputs if t is not None)
 
 
 def _pipeline_stages(stages, tile_bytes):
@@ -534,9 +534,8 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
                 HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
                 STORE_DROPOUT_MASK=dropout_mask is not None, HAS_ROWSCALE=rowscale is not None,
                 HAS_X1=x1 is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
-                NUM_STAGES=_pipeline_stages(_fwd_num_stages(block_n), rows_per_program * block_n
-                                            * sum(t.element_size() for t in (x, residual, x1)
-                                                  if t is not None)),
+                NUM_STAGES=_pipeline_stages(_fwd_num_stages(block_n), _tile_bytes(
+                    rows_per_program, block_n, x, residual, x1)),
                 num_warps=num_warps,
             )
     return (out, y1, mean, rstd, residual_out if residual_out is not None else x, seeds,
@@ -674,9 +673,8 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
                 dresidual_in.stride(0) if dresidual_in is not None else 0,
                 M, N, dropout_p, rows_per_program,
                 IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n, ROWS_PER_ITER=rows_per_iter,
-                NUM_STAGES=_pipeline_stages(_bwd_num_stages(block_n), rows_per_iter * block_n
-                                            * sum(t.element_size() for t in (x, dy, dresidual, dy1)
-                                                  if t is not None)),
+                NUM_STAGES=_pipeline_stages(_bwd_num_stages(block_n), _tile_bytes(
+                    rows_per_iter, block_n, x, dy, dresidual, dy1)),
                 ZERO_CENTERED_WEIGHT=zero_centered_weight,
                 HAS_DRESIDUAL=dresidual is not None, STORE_DRESIDUAL=dresidual_in is not None,
                 HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0.0,
