@@ -1,9 +1,10 @@
 """The opt-in warp-specialised sm90 forward (FLASH_ATTN_SM90_WS=1 its plain consumer loop, 2 the
 overlapped ping-pong one; the binding reads the flag once per process, so the cases run in child
-processes): flash-attn's error rule against the fp32
-reference for every score modifier and head layout it covers (test_flash_attn_interface's
-_run_and_check), and proof that the flag changes the kernel (its outputs differ from the default
-kernel's in the last bits somewhere; bitwise equal everywhere would mean it never ran).
+processes): flash-attn's error rule against the fp32 reference for every score modifier and head
+layout it covers, padded and varlen (test_flash_attn_interface's _run_and_check and test_varlen),
+plain and varlen calls bitwise equal (test_packed_forms_match_plain), and proof that the flag
+changes the kernel (its outputs differ from the default kernel's in the last bits somewhere;
+bitwise equal everywhere would mean it never ran).
 """
 
 import os
@@ -21,7 +22,8 @@ CHILD = textwrap.dedent("""
     import itertools, sys
     import torch
     sys.path.insert(0, sys.argv[1])
-    from test_flash_attn_interface import _run_and_check
+    from test_flash_attn_interface import (_run_and_check, test_packed_forms_match_plain,
+                                           test_varlen)
     from flash_attn import flash_attn_func
 
     cases = 0
@@ -34,6 +36,21 @@ CHILD = textwrap.dedent("""
         torch.manual_seed(sq * 7 + sk + d)
         _run_and_check(2, sq, sk, d, dtype, mha_type, causal, local, alibi, softcap, 0.0)
         cases += 1
+    varlen = 0
+    for d, mha_type, (causal, local), (alibi, softcap), mode, (sq, sk) in itertools.product(
+            (64, 128), ("mha", "gqa"), ((False, False), (True, False), (False, True)),
+            ((False, 0.0), (True, 0.0), (False, 30.0)), ("random", "third", "zero_lengths"),
+            ((97, 203), (1024, 1024))):
+        if sys.argv[3] != "check":
+            break
+        test_varlen(sq, sk, d, torch.bfloat16, mha_type, causal, local, alibi, softcap, 0.0, mode)
+        varlen += 1
+    packed = 0
+    for dtype, causal in itertools.product((torch.bfloat16, torch.float16), (False, True)):
+        if sys.argv[3] != "check":
+            break
+        test_packed_forms_match_plain(dtype, causal)  # plain and varlen: the same kernel, bitwise
+        packed += 1
     outs = {}
     for d, causal in itertools.product((64, 128), (False, True)):
         torch.manual_seed(d)
@@ -41,7 +58,7 @@ CHILD = textwrap.dedent("""
                    for _ in range(3))
         outs[d, causal] = flash_attn_func(q, k, v, causal=causal).cpu()
     torch.save(outs, sys.argv[2])
-    print(f"{cases} cases passed the error rule")
+    print(f"{cases} padded, {varlen} varlen and {packed} packed cases passed")
 """)
 
 
@@ -57,7 +74,7 @@ def _child(tmp_path, ws):
                           "check" if ws else "outputs"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert not ws or "288 cases passed the error rule" in run.stdout, run.stdout[-3000:]
+    assert not ws or "288 padded, 216 varlen and 4 packed cases passed" in run.stdout, run.stdout[-3000:]
     return torch.load(out_file)
 
 

@@ -96,6 +96,7 @@ void set_common_params(flash::AttentionParams &params, const at::Tensor &q, cons
     set_strides(v, params.v_batch_stride, params.v_row_stride, params.v_head_stride);
     set_strides(out, params.o_batch_stride, params.o_row_stride, params.o_head_stride);
     params.total_q = int(q.dim() == 4 ? q.size(0) * q.size(1) : q.size(0));
+    params.total_k = int(k.dim() == 4 ? k.size(0) * k.size(1) : k.size(0));
     params.softmax_lse_ptr = softmax_lse.data_ptr<float>();
     params.is_bf16 = q.scalar_type() == at::kBFloat16;
     params.batch = batch;

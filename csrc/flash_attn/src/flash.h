@@ -46,6 +46,7 @@ struct AttentionParams {
     int seqlen_q_rounded = 0, seqlen_k_rounded = 0;
     int head_dim = 0;                // actual head dim (a multiple of 8), <= the kernel's
     int total_q = 0;
+    int total_k = 0;  // rows of k / v (batch * seqlen_k padded, all pages when paged)
 
     // Varlen: cumulative offsets (batch + 1) of each sequence in the packed q/k/v.
     const int *__restrict__ cu_seqlens_q = nullptr;

@@ -46,7 +46,7 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
                        : 0;
         }();
         using Ws = ForwardWs<kHeadDim, Element>;
-        const bool covered = params.cu_seqlens_q == nullptr && params.cu_seqlens_k == nullptr &&
+        const bool covered = (params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr) &&
                              params.seqused_k == nullptr && params.leftpad_k == nullptr &&
                              params.kv_batch_idx == nullptr && params.block_table == nullptr &&
                              params.num_splits == 1 && params.s_dmask_ptr == nullptr && Ws::supports(params);

@@ -6,10 +6,11 @@
 // the mma.sync/wgmma kernel: score_mods.h, softmax.h, fwd_block_range.h). Mode 2 (Overlap) issues
 // S of block j + 1 with P V of block j and has the consumers take turns (ping-pong).
 //
-// Scope: padded (not varlen, not paged) inputs, no dropout, no split-KV, head dims 64 and 128;
+// Scope: padded and varlen (not paged, no seqused_k / left padding) inputs, no dropout, no
+// split-KV, head dims 64 and 128;
 // flash_fwd_launch.h takes it only when asked (its results differ from the default kernel's in
 // the last bits, so plain and varlen calls would no longer agree bitwise). Not yet: a TMA-store
-// epilogue, a persistent scheduler (it loses to the default kernel at s2k causal), varlen.
+// epilogue, a persistent scheduler (it loses to the default kernel at s2k causal).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -85,14 +86,17 @@ struct ForwardWs {
                            StrideQKV{row_stride, _1{}, head_stride, batch_stride});
     }
 
+    // Varlen inputs are one batch entry of all the packed rows; the kernel offsets each sequence's
+    // tiles by its first row (rows past a sequence's end are the next one's: masked or not stored).
     static KernelArgs make_args(const AttentionParams &p) {
-        auto mQ = gmem_qkv(p.q_ptr, p.seqlen_q, p.head_dim, p.heads, p.batch, p.q_row_stride, p.q_head_stride,
-                           p.q_batch_stride);
-        const int heads_k = p.heads_k;
-        auto mK = gmem_qkv(p.k_ptr, p.seqlen_k, p.head_dim, heads_k, p.batch, p.k_row_stride, p.k_head_stride,
-                           p.k_batch_stride);
-        auto mV = gmem_qkv(p.v_ptr, p.seqlen_k, p.head_dim, heads_k, p.batch, p.v_row_stride, p.v_head_stride,
-                           p.v_batch_stride);
+        const bool varlen_q = p.cu_seqlens_q != nullptr, varlen_k = p.cu_seqlens_k != nullptr;
+        auto mQ = gmem_qkv(p.q_ptr, varlen_q ? p.total_q : p.seqlen_q, p.head_dim, p.heads, varlen_q ? 1 : p.batch,
+                           p.q_row_stride, p.q_head_stride, varlen_q ? 0 : p.q_batch_stride);
+        const int heads_k = p.heads_k, rows_k = varlen_k ? p.total_k : p.seqlen_k, batch_k = varlen_k ? 1 : p.batch;
+        auto mK = gmem_qkv(p.k_ptr, rows_k, p.head_dim, heads_k, batch_k, p.k_row_stride, p.k_head_stride,
+                           varlen_k ? 0 : p.k_batch_stride);
+        auto mV = gmem_qkv(p.v_ptr, rows_k, p.head_dim, heads_k, batch_k, p.v_row_stride, p.v_head_stride,
+                           varlen_k ? 0 : p.v_batch_stride);
         return {p,
                 make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}),
                 make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}),
@@ -107,8 +111,9 @@ struct ForwardWs {
                                p.k_batch_stride, p.v_row_stride, p.v_head_stride, p.v_batch_stride}) {
             if (stride % kElemsPer16B != 0) { return false; }
         }
-        // Empty sequences: a TMA descriptor cannot have a zero dimension (the other path writes them).
-        return p.seqlen_q > 0 && p.seqlen_k > 0 && aligned(p.q_ptr) && aligned(p.k_ptr) && aligned(p.v_ptr) &&
+        // Empty inputs: a TMA descriptor cannot have a zero dimension (the other path writes them).
+        const bool varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr;
+        return p.seqlen_q > 0 && p.seqlen_k > 0 && (!varlen || (p.total_q > 0 && p.total_k > 0)) && aligned(p.q_ptr) && aligned(p.k_ptr) && aligned(p.v_ptr) &&
                p.head_dim % kElemsPer16B == 0;
     }
 };
@@ -120,7 +125,7 @@ __device__ __forceinline__ void ws_store_o(const AttentionParams &params, const 
                                            TC const &tOcO_rc, const float (&lse)[kRows], int m_block, int bidb,
                                            int bidh) {
     using Element = typename Ws::Element;
-    Element *o = reinterpret_cast<Element *>(params.o_ptr) + int64_t(bidb) * params.o_batch_stride +
+    Element *o = reinterpret_cast<Element *>(params.o_ptr) + seq.q_offset(params.o_batch_stride, params.o_row_stride, bidb) +
                  int64_t(bidh) * params.o_head_stride;
     CUTE_UNROLL
     for (int r = 0; r < size<0>(acc_o_rowcol); ++r) {
@@ -171,6 +176,7 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     const int bidh_k = bidh / params.heads_per_head_k;
     const int warpgroup = threadIdx.x / 128;
     const SequenceInfo seq(params, bidb);
+    if (m_block * kBlockM >= seq.seqlen_q) { return; }  // varlen: past this sequence (the whole CTA)
     const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);
 
     // Barriers: Q's (one arrival: the producer's expect-tx), and the K and V rings.
@@ -194,13 +200,24 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     if (warpgroup == 0) {  // producer
         cutlass::arch::warpgroup_reg_dealloc<24>();
         if (threadIdx.x == 0) {  // the pipeline's leader (is_leader): it arms the barriers it loads into
-            Tensor mQ = args.tma_q.get_tma_tensor(make_shape(params.seqlen_q, params.head_dim, params.heads, params.batch));
-            const int heads_k = params.heads_k;
-            Tensor mK = args.tma_k.get_tma_tensor(make_shape(params.seqlen_k, params.head_dim, heads_k, params.batch));
-            Tensor mV = args.tma_v.get_tma_tensor(make_shape(params.seqlen_k, params.head_dim, heads_k, params.batch));
-            Tensor gQ = local_tile(mQ(_, _, bidh, bidb), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
-            Tensor gK = local_tile(mK(_, _, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-            Tensor gV = local_tile(mV(_, _, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+            const bool varlen_q = seq.q_start >= 0, varlen_k = seq.k_start >= 0;
+            Tensor mQ = args.tma_q.get_tma_tensor(make_shape(varlen_q ? params.total_q : params.seqlen_q, params.head_dim,
+                                                             params.heads, varlen_q ? 1 : params.batch));
+            const int heads_k = params.heads_k, rows_k = varlen_k ? params.total_k : params.seqlen_k;
+            Tensor mK = args.tma_k.get_tma_tensor(make_shape(rows_k, params.head_dim, heads_k, varlen_k ? 1 : params.batch));
+            Tensor mV = args.tma_v.get_tma_tensor(make_shape(rows_k, params.head_dim, heads_k, varlen_k ? 1 : params.batch));
+            // This sequence's rows: its batch entry (padded: q_start / k_start -1), or batch entry 0 from
+            // its first row (varlen).
+            auto rows_of = [](auto const &m, int first_row, int head, int batch) {
+                return domain_offset(make_coord(first_row < 0 ? 0 : first_row, _0{}),
+                                     m(_, _, head, first_row < 0 ? batch : 0));
+            };
+            Tensor gQ = local_tile(rows_of(mQ, seq.q_start, bidh, bidb), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                   make_coord(m_block, _0{}));
+            Tensor gK = local_tile(rows_of(mK, seq.k_start, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                   make_coord(_, _0{}));
+            Tensor gV = local_tile(rows_of(mV, seq.k_start, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                   make_coord(_, _0{}));
             auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                               group_modes<0, 2>(gQ));
             auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
