@@ -52,29 +52,31 @@ CHILD = textwrap.dedent("""
         test_packed_forms_match_plain(dtype, causal)  # plain and varlen: the same kernel, bitwise
         packed += 1
     outs = {}
-    for d, causal in itertools.product((64, 128), (False, True)):
+    for d, causal, seqlen in itertools.product((64, 128), (False, True), (1000, 8192)):
         torch.manual_seed(d)
-        q, k, v = (torch.randn(2, 1000, 8, d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (torch.randn(1, seqlen, 4, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
-        outs[d, causal] = flash_attn_func(q, k, v, causal=causal).cpu()
+        outs[d, causal, seqlen] = flash_attn_func(q, k, v, causal=causal).cpu()
     torch.save(outs, sys.argv[2])
     print(f"{cases} padded, {varlen} varlen and {packed} packed cases passed")
 """)
 
 
-def _child(tmp_path, ws):
-    """ws: the FLASH_ATTN_SM90_WS value, or 0 for the default kernel."""
+def _child(tmp_path, ws, check=True):
+    """ws: the FLASH_ATTN_SM90_WS value (0 the default kernel), or None to leave it unset; check:
+    run the error-rule cases too (modes 1 and 2)."""
+    check = check and ws in (1, 2)
     out_file = tmp_path / f"outs_{ws}.pt"
     env = dict(os.environ)
     env.pop("FLASH_ATTN_SM90_WS", None)
-    if ws:
+    if ws is not None:
         env["FLASH_ATTN_SM90_WS"] = str(ws)
     # The default kernel's error rule is test_flash_attn_interface's: here only its outputs.
     run = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(out_file),
-                          "check" if ws else "outputs"], env=env,
+                          "check" if check else "outputs"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert not ws or "288 padded, 216 varlen and 4 packed cases passed" in run.stdout, run.stdout[-3000:]
+    assert not check or "288 padded, 216 varlen and 4 packed cases passed" in run.stdout, run.stdout[-3000:]
     return torch.load(out_file)
 
 
@@ -89,3 +91,15 @@ def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path, mod
         torch.testing.assert_close(ws[key], default[key], atol=4e-3, rtol=0)
     assert any(not torch.equal(ws[key], default[key]) for key in ws), (
         f"FLASH_ATTN_SM90_WS={mode} gave bitwise the default kernel's outputs: the flag did nothing")
+
+
+@pytest.mark.gpu
+def test_unset_flag_takes_mode_2_from_8k_keys(tmp_path):
+    """FLASH_ATTN_SM90_WS unset: the default kernel below 8K keys, mode 2 from 8K (bitwise each)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised forward is sm90 only")
+    auto, off, ws = (_child(tmp_path, flag, check=False) for flag in (None, 0, 2))
+    for key in auto:
+        expected = ws if key[2] >= 8192 else off
+        assert torch.equal(auto[key], expected[key]), key
+    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[2] >= 8192)

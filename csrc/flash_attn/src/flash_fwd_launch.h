@@ -35,23 +35,27 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
     if constexpr (Is_dropout || (kHeadDim != 64 && kHeadDim != 128)) {
         return false;
     } else {
-        // FLASH_ATTN_SM90_WS: 1 the plain consumer loop, 2 the overlapped, ping-pong one.
+        // FLASH_ATTN_SM90_WS: 0 never, 1 the plain consumer loop, 2 the overlapped, ping-pong one;
+        // unset, mode 2 from 8K keys (max over the batch, so plain and varlen calls of the same
+        // lengths agree), where it beat the default kernel at every measured shape on the H200.
+        constexpr int kAuto = -1;
         static const int mode = [] {
             const char *flag = std::getenv("FLASH_ATTN_SM90_WS");
             int device = 0, major = 0;
             cudaGetDevice(&device);
             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-            return flag != nullptr && (flag[0] == '1' || flag[0] == '2') && flag[1] == '\0' && major == 9
-                       ? flag[0] - '0'
-                       : 0;
+            if (major != 9) { return 0; }
+            if (flag == nullptr || flag[0] == '\0') { return kAuto; }
+            return (flag[0] == '1' || flag[0] == '2') && flag[1] == '\0' ? flag[0] - '0' : 0;
         }();
+        const int use = mode == kAuto ? (params.seqlen_k >= 8192 ? 2 : 0) : mode;
         using Ws = ForwardWs<kHeadDim, Element>;
         const bool covered = (params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr) &&
                              params.seqused_k == nullptr && params.leftpad_k == nullptr &&
                              params.kv_batch_idx == nullptr && params.block_table == nullptr &&
                              params.num_splits == 1 && params.s_dmask_ptr == nullptr && Ws::supports(params);
-        if (mode == 0 || !covered) { return false; }
-        auto kernel = mode == 2 ? &flash_fwd_ws_kernel<Ws, Is_masked, /*Overlap=*/true>
+        if (use == 0 || !covered) { return false; }
+        auto kernel = use == 2 ? &flash_fwd_ws_kernel<Ws, Is_masked, /*Overlap=*/true>
                                 : &flash_fwd_ws_kernel<Ws, Is_masked, /*Overlap=*/false>;
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
                    "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised forward kernel");
