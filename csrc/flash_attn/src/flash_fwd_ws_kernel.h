@@ -144,14 +144,23 @@ __device__ __forceinline__ void ws_store_o(const AttentionParams &params, const 
 
 // The two consumer warpgroups' turns at the tensor cores (Overlap): named barriers 1 and 2 (0 is
 // __syncthreads'), 256 threads each: the waiting warpgroup's 128 and the other's 128 arrivals.
+// Immediate barrier ids: a register id makes ptxas reserve all 16 named barriers.
 __device__ __forceinline__ void ws_wait_turn(int consumer) {
 #if FLASH_WGMMA_ARCH
-    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
+    if (consumer == 0) {
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    } else {
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    }
 #endif
 }
 __device__ __forceinline__ void ws_pass_turn(int consumer) {
 #if FLASH_WGMMA_ARCH
-    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+    if (consumer == 0) {
+        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+    } else {
+        asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    }
 #endif
 }
 
