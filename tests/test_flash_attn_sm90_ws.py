@@ -52,11 +52,12 @@ CHILD = textwrap.dedent("""
         test_packed_forms_match_plain(dtype, causal)  # plain and varlen: the same kernel, bitwise
         packed += 1
     outs = {}
-    for d, causal, seqlen in itertools.product((64, 128), (False, True), (1000, 8192)):
+    for d, causal, (sq, sk) in itertools.product(
+            (64, 128), (False, True), ((1000, 1000), (8192, 8192), (1, 8192), (64, 8192))):
         torch.manual_seed(d)
-        q, k, v = (torch.randn(1, seqlen, 4, d, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        outs[d, causal, seqlen] = flash_attn_func(q, k, v, causal=causal).cpu()
+        q = torch.randn(1, sq, 4, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, sk, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        outs[d, causal, sq, sk] = flash_attn_func(q, k, v, causal=causal).cpu()
     torch.save(outs, sys.argv[2])
     print(f"{cases} padded, {varlen} varlen and {packed} packed cases passed")
 """)
@@ -95,11 +96,15 @@ def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path, mod
 
 @pytest.mark.gpu
 def test_unset_flag_takes_mode_2_from_8k_keys(tmp_path):
-    """FLASH_ATTN_SM90_WS unset: the default kernel below 8K keys, mode 2 from 8K (bitwise each)."""
+    """FLASH_ATTN_SM90_WS unset: the default kernel below 8K keys and where it takes the decode
+    tile (<= 64 queries, no mask), mode 2 otherwise from 8K keys (bitwise each)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward is sm90 only")
     auto, off, ws = (_child(tmp_path, flag, check=False) for flag in (None, 0, 2))
-    for key in auto:
-        expected = ws if key[2] >= 8192 else off
-        assert torch.equal(auto[key], expected[key]), key
-    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[2] >= 8192)
+    for d, causal, sq, sk in auto:
+        decode_tile = sq <= 64 and not causal
+        expected = ws if sk >= 8192 and not decode_tile else off
+        assert torch.equal(auto[d, causal, sq, sk], expected[d, causal, sq, sk]), (d, causal, sq, sk)
+    # Both branches are seen: mode 2 differs from the default where auto took it and where it did not.
+    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[3] >= 8192 and key[2] > 64)
+    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[2] <= 64 and not key[1])

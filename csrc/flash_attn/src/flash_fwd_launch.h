@@ -37,7 +37,8 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
     } else {
         // FLASH_ATTN_SM90_WS: 0 never, 1 the plain consumer loop, 2 the overlapped, ping-pong one;
         // unset, mode 2 from 8K keys (max over the batch, so plain and varlen calls of the same
-        // lengths agree), where it beat the default kernel at every measured shape on the H200.
+        // lengths agree), where it beat the default kernel at every measured shape on the H200,
+        // except where the default takes the decode tile (its 128 rows would be mostly empty).
         constexpr int kAuto = -1;
         static const int mode = [] {
             const char *flag = std::getenv("FLASH_ATTN_SM90_WS");
@@ -48,7 +49,9 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
             if (flag == nullptr || flag[0] == '\0') { return kAuto; }
             return (flag[0] == '1' || flag[0] == '2') && flag[1] == '\0' ? flag[0] - '0' : 0;
         }();
-        const int use = mode == kAuto ? (params.seqlen_k >= 8192 ? 2 : 0) : mode;
+        const bool auto_takes_ws =
+            params.seqlen_k >= 8192 && !takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked);
+        const int use = mode == kAuto ? (auto_takes_ws ? 2 : 0) : mode;
         using Ws = ForwardWs<kHeadDim, Element>;
         const bool covered = (params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr) &&
                              params.seqused_k == nullptr && params.leftpad_k == nullptr &&
