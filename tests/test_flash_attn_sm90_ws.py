@@ -105,6 +105,7 @@ def test_unset_flag_takes_mode_2_from_8k_keys(tmp_path):
         decode_tile = sq <= 64 and not causal
         expected = ws if sk >= 8192 and not decode_tile else off
         assert torch.equal(auto[d, causal, sq, sk], expected[d, causal, sq, sk]), (d, causal, sq, sk)
-    # Both branches are seen: mode 2 differs from the default where auto took it and where it did not.
+    # Where auto takes mode 2 the outputs tell the kernels apart. On the decode-shaped calls they do
+    # not (on the H200 mode 2 and the decode tile agree bitwise there: one query block, 128-key
+    # blocks both): there auto == default checks the result, not which kernel ran.
     assert any(not torch.equal(ws[key], off[key]) for key in ws if key[3] >= 8192 and key[2] > 64)
-    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[2] <= 64 and not key[1])
