@@ -1,10 +1,12 @@
-"""The opt-in warp-specialised sm90 forward (FLASH_ATTN_SM90_WS=1 its plain consumer loop, 2 the
-overlapped ping-pong one; the binding reads the flag once per process, so the cases run in child
-processes): flash-attn's error rule against the fp32 reference for every score modifier and head
-layout it covers, padded and varlen (test_flash_attn_interface's _run_and_check and test_varlen),
-plain and varlen calls bitwise equal (test_packed_forms_match_plain), and proof that the flag
-changes the kernel (its outputs differ from the default kernel's in the last bits somewhere;
-bitwise equal everywhere would mean it never ran).
+"""The warp-specialised sm90 forward (FLASH_ATTN_SM90_WS=1 its plain consumer loop, 2 the
+overlapped ping-pong one, unset mode 2 from 8K keys; the binding reads the flag once per process,
+so the cases run in child processes): flash-attn's error rule against the fp32 reference for every
+score modifier and head layout it covers, padded and varlen (test_flash_attn_interface's
+_run_and_check and test_varlen), batches with more work units than SMs (the persistent CTAs walk
+several; masked ones pair blocks), plain and varlen calls bitwise equal
+(test_packed_forms_match_plain), proof that the flag changes the kernel (its outputs differ from the
+default kernel's in the last bits somewhere; bitwise equal everywhere would mean it never ran), and
+the unset flag's dispatch.
 """
 
 import os
@@ -45,6 +47,15 @@ CHILD = textwrap.dedent("""
             break
         test_varlen(sq, sk, d, torch.bfloat16, mha_type, causal, local, alibi, softcap, 0.0, mode)
         varlen += 1
+    # A batch of 16: more work units than SMs, so CTAs walk several (and causal ones pair blocks).
+    persistent = 0
+    for d, (causal, local), (sq, sk) in itertools.product(
+            (64, 128), ((False, False), (True, False), (True, True)), ((1025, 1024), (1000, 1300))):
+        if sys.argv[3] != "check":
+            break
+        torch.manual_seed(sq + sk + d + causal)
+        _run_and_check(16, sq, sk, d, torch.bfloat16, "mha", causal, local, False, 0.0, 0.0)
+        persistent += 1
     packed = 0
     for dtype, causal in itertools.product((torch.bfloat16, torch.float16), (False, True)):
         if sys.argv[3] != "check":
@@ -59,7 +70,7 @@ CHILD = textwrap.dedent("""
         k, v = (torch.randn(1, sk, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         outs[d, causal, sq, sk] = flash_attn_func(q, k, v, causal=causal).cpu()
     torch.save(outs, sys.argv[2])
-    print(f"{cases} padded, {varlen} varlen and {packed} packed cases passed")
+    print(f"{cases} padded, {varlen} varlen, {persistent} batch-16 and {packed} packed cases passed")
 """)
 
 
@@ -77,7 +88,7 @@ def _child(tmp_path, ws, check=True):
                           "check" if check else "outputs"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert not check or "288 padded, 216 varlen and 4 packed cases passed" in run.stdout, run.stdout[-3000:]
+    assert not check or "288 padded, 216 varlen, 12 batch-16 and 4 packed cases passed" in run.stdout, run.stdout[-3000:]
     return torch.load(out_file)
 
 

@@ -4,12 +4,13 @@
 //   layout (rows r, r + 8; columns 2c, 2c + 1, +8), so both kernels draw the same dropout mask;
 // - in the dQ and dK/dV accumulators, elements (i, i + 1) for even i are adjacent columns of one
 //   row starting at an even column (dQ is added to dq_accum in such pairs, and dK/dV go to
-//   shared memory in them);
+//   shared memory in them), and dq_accum's column order keeps those pairs whole;
 // - the same for the Hopper (wgmma) accumulators where those paths apply, the forward's P read as
 //   wgmma's register A operand element for element, and the wgmma views of the shared-memory tiles
 //   (address-swizzled) landing on the very bytes the mma.sync path uses;
 // - Philox4x32-10 against the Random123 known-answer vectors.
 // Prints "OK" and exits 0, or prints the first mismatch and exits 1.
+#include <algorithm>
 #include <cstdio>
 #include <set>
 #include <utility>
@@ -148,6 +149,45 @@ void check_forward_wgmma(const char *name) {
     }
 }
 
+// dq_accum's column order (dq_accum_col): a permutation of each row's columns that keeps adjacent
+// pairs adjacent, and the sm90 path's staged dQ stores (two adjacent columns per lane) spread over
+// the banks: 2 wavefronts per warp store, the least 256 bytes take (a row-major tile took 8).
+template <typename TiledMma, int kM, int kHeadDim>
+void check_dq_accum_order(const char *name, int threads, int max_wavefronts) {
+    for (int row = 0; row < 8; ++row) {
+        std::set<int> cols;
+        for (int col = 0; col < kHeadDim; ++col) {
+            const int c = flash::dq_accum_col(row, col);
+            EXPECT(c >= 0 && c < kHeadDim, "%s: row %d col %d goes to %d", name, row, col, c);
+            cols.insert(c);
+            if (col % 2 == 0) {
+                EXPECT(flash::dq_accum_col(row, col + 1) == c + 1, "%s: pair (%d, %d) split", name, col, col + 1);
+            }
+        }
+        EXPECT(int(cols.size()) == kHeadDim, "%s: row %d's columns collide", name, row);
+    }
+    TiledMma mma;
+    Tensor probe = partition_fragment_C(mma, Shape<Int<kM>, Int<kHeadDim>>{});
+    for (int warp = 0; warp < threads / 32; ++warp) {
+        for (int i = 0; i < int(size(probe)); i += 2) {
+            int words_per_bank[32] = {};
+            std::set<int> words;
+            for (int lane = 0; lane < 32; ++lane) {
+                Tensor tc = mma.get_thread_slice(warp * 32 + lane).partition_C(
+                    make_identity_tensor(Shape<Int<kM>, Int<kHeadDim>>{}));
+                const int row = get<0>(tc(i)), col = get<1>(tc(i));
+                const int word = row * kHeadDim + flash::dq_accum_col(row, col);
+                for (int w : {word, word + 1}) {
+                    if (words.insert(w).second) { ++words_per_bank[w % 32]; }
+                }
+            }
+            int wavefronts = 0;
+            for (int b = 0; b < 32; ++b) { wavefronts = std::max(wavefronts, words_per_bank[b]); }
+            EXPECT(wavefronts <= max_wavefronts, "%s: warp %d store %d takes %d wavefronts", name, warp, i, wavefronts);
+        }
+    }
+}
+
 template <typename Fwd, typename FwdDropout, typename Bwd>
 void check_wgmma(int head_dim) {
     using Element = typename Fwd::Element;
@@ -175,6 +215,7 @@ void check_wgmma(int head_dim) {
                         Bwd::kHeadDim>(name);
         check_smem_view<Element, typename Bwd::SmemLayoutKV, typename W::SmemLayoutKt, true, Bwd::kBlockN,
                         Bwd::kHeadDim>(name);
+        check_dq_accum_order<typename W::TiledMmadQ, Bwd::kBlockM, Bwd::kHeadDim>(name, Bwd::kNThreads, 2);
     }
 }
 
@@ -214,7 +255,8 @@ void check_head_dim() {
         name, FwdDropout::kNThreads, true);
     std::snprintf(name, sizeof(name), "backward hdim%d", kHeadDim);
     check_score_tile<typename Bwd::TiledMmaSdP, Bwd::kBlockM, Bwd::kBlockN>(name, Bwd::kNThreads, false);
-    EXPECT(Bwd::kSmemSize <= 227 * 1024, "backward hdim%d needs %d bytes of shared memory", kHeadDim, Bwd::kSmemSize);
+    constexpr int kBwdSmem = Bwd::kSmemSize + flash::kSmemRowStatsSize<Bwd> + flash::kSmemDqSize<Bwd>;
+    EXPECT(kBwdSmem <= 227 * 1024, "backward hdim%d needs %d bytes of shared memory", kHeadDim, kBwdSmem);
     std::snprintf(name, sizeof(name), "backward dQ hdim%d", kHeadDim);
     check_column_pairs<typename Bwd::TiledMmadQ, Bwd::kBlockM, kHeadDim>(name, Bwd::kNThreads);
     std::snprintf(name, sizeof(name), "backward dK/dV hdim%d", kHeadDim);

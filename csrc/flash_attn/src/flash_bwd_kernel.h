@@ -25,6 +25,35 @@ using namespace cute;
 
 // dq_accum is (num_splits, heads, rows, kernel head dim) fp32 with rows = batch * seqlen_q_rounded
 // (padded inputs) or total_q + 128 (varlen), so that a query block's rows are one contiguous range.
+// Within a row the 16-byte chunks of columns are permuted by the row (chunk ^ row % 8; the kernel
+// head dims are multiples of 32): the sm90 path stages a dQ tile in shared memory in exactly
+// dq_accum's byte order and adds it with one bulk reduction, and this order spreads the tile's
+// stores over the banks. Every writer and reader of dq_accum places columns with dq_accum_col.
+__host__ __device__ __forceinline__ int dq_accum_col(int64_t row, int col) {
+    return ((col >> 2) ^ int(row & 7)) * 4 + (col & 3);
+}
+
+// The sm90 path's dQ tile: shared memory -> dq_accum as one asynchronous bulk reduction (add) by
+// one thread, and its waits: for the source to have been read (the buffer is free again), and for
+// the additions to have landed.
+__device__ __forceinline__ void bulk_add_to_global(float *gmem, const float *smem, int bytes) {
+#if FLASH_WGMMA_ARCH
+    const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(smem));
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(gmem), "r"(smem_addr), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_wait_source_read() {
+#if FLASH_WGMMA_ARCH
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_wait_done() {
+#if FLASH_WGMMA_ARCH
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
 
 // Where one (token, head) of a query-side tensor and its dq_accum row are: the pre- and
 // post-processing kernels walk tokens of the packed (varlen) or padded layout alike.
@@ -123,11 +152,13 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ AttentionPar
     const TokenRow tr(params, token, head);
     const int kernel_head_dim = int(params.dq_accum_row_stride);
     const float *acc = params.dq_accum_ptr + int64_t(head) * params.dq_accum_head_stride +
-                       tr.acc_row * kernel_head_dim + col;
+                       tr.acc_row * kernel_head_dim;
+    const int col_lo = dq_accum_col(tr.acc_row, col), col_hi = dq_accum_col(tr.acc_row, col + 4);
     float sum[8] = {};
     for (int split = 0; split < params.num_splits; ++split) {  // fixed order: deterministic
-        const float4 *chunk = reinterpret_cast<const float4 *>(acc + split * params.dq_accum_split_stride);
-        const float4 lo = chunk[0], hi = chunk[1];
+        const float *row = acc + split * params.dq_accum_split_stride;
+        const float4 lo = *reinterpret_cast<const float4 *>(row + col_lo);
+        const float4 hi = *reinterpret_cast<const float4 *>(row + col_hi);
         sum[0] += lo.x, sum[1] += lo.y, sum[2] += lo.z, sum[3] += lo.w;
         sum[4] += hi.x, sum[5] += hi.y, sum[6] += hi.z, sum[7] += hi.w;
     }
@@ -206,20 +237,41 @@ __device__ __forceinline__ void store_dkv_staged(Acc &acc, TiledMma const &tiled
     copy_tile<false>(gmem_copy, tr, tg, tc, tp, rows_valid, head_dim == kHeadDim && rows_valid >= kBlockN);
 }
 
-// Adds a query block's dQ (an accumulator of tiled_mma_dq) into its rows of dq_accum, two adjacent
-// columns per vector reduction. The tile is partitioned like the accumulator, so every address is
-// one per-thread base plus a constant: nothing per element stays live across the loop.
+// Adds a query block's dQ (an accumulator of tiled_mma_dq) into its rows of dq_accum (block_row0:
+// the block's first dq_accum row), two adjacent columns per vector reduction.
 template <typename Traits, typename Acc, typename TiledMma>
-__device__ __forceinline__ void add_dq_accum(Acc const &acc_dq, TiledMma const &tiled_mma, float *dq_accum_block) {
+__device__ __forceinline__ void add_dq_accum(Acc const &acc_dq, TiledMma const &tiled_mma, float *dq_accum_block,
+                                             int64_t block_row0) {
     constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-    Tensor g = make_tensor(make_gmem_ptr(dq_accum_block), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                           Stride<Int<kHeadDim>, _1>{});
-    Tensor tg = tiled_mma.get_thread_slice(threadIdx.x).partition_C(g);
+    Tensor tc = tiled_mma.get_thread_slice(threadIdx.x).partition_C(
+        make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i + 1): adjacent columns of one row
-        atomic_add_pair(&tg(i), acc_dq(i), acc_dq(i + 1));
+        const int row = get<0>(tc(i)), col = get<1>(tc(i));
+        atomic_add_pair(dq_accum_block + row * kHeadDim + dq_accum_col(block_row0 + row, col), acc_dq(i), acc_dq(i + 1));
     }
 }
+
+// The same tile written to shared memory in dq_accum's byte order (then bulk-added, sm90 path).
+template <typename Traits, typename Acc, typename TiledMma>
+__device__ __forceinline__ void stage_dq_accum(Acc const &acc_dq, TiledMma const &tiled_mma, float *smem_dq,
+                                               int64_t block_row0) {
+    constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+    Tensor tc = tiled_mma.get_thread_slice(threadIdx.x).partition_C(
+        make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 2) {
+        const int row = get<0>(tc(i)), col = get<1>(tc(i));
+        *reinterpret_cast<float2 *>(smem_dq + row * kHeadDim + dq_accum_col(block_row0 + row, col)) =
+            make_float2(acc_dq(i), acc_dq(i + 1));
+    }
+}
+
+// Shared memory of the sm90 path's dQ tile (after the row statistics below): the backward kernel
+// and its launch agree on this through kBackwardWgmmaApplies (not BackwardWgmma::kEnabled, which
+// the host pass sees false).
+template <typename Traits>
+constexpr int kSmemDqSize = kBackwardWgmmaApplies<Traits> ? Traits::kBlockM * Traits::kHeadDim * int(sizeof(float)) : 0;
 
 // The forward's log-sum-exp and softmax_d of a query block's rows ride along with its Q and dO
 // tiles (4-byte asynchronous copies, double-buffered after the tiles), so that they are read from
@@ -294,6 +346,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     Element *smem_p = smem_v + size(typename Traits::SmemLayoutKV{});
     Element *smem_ds = smem_p + size(typename Traits::SmemLayoutPdS{});
     float *smem_row_stats = reinterpret_cast<float *>(smem + Traits::kSmemSize);  // [buf][lse, d][row]
+    float *smem_dq = smem_row_stats + kSmemRowStatsSize<Traits> / int(sizeof(float));  // sm90 path's dQ tile
     // Buffer `buf` of the double-buffered Q or dO, in the given layout (rows x d, or transposed).
     auto buffer = [&](Element *base, int buf, auto layout) {
         return make_tensor(make_smem_ptr(base + buf * size(typename Traits::SmemLayoutQdO{})), layout);
@@ -539,8 +592,11 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         Tensor rdS = convert_type<Element>(acc_dp);
         cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
         cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
-        if constexpr (kWgmma) { fence_smem_for_wgmma(); }
-        __syncthreads();  // P and dS complete in shared memory
+        if constexpr (kWgmma) {
+            fence_smem_for_wgmma();
+            if (tidx == 0) { bulk_wait_source_read(); }  // the last dQ tile has left its buffer
+        }
+        __syncthreads();  // P and dS complete in shared memory (and the dQ buffer free)
 
         // dV += P^T dO (the 1 / keep_prob of dropout is applied once, at the end), dK += dS^T Q,
         // dQ = dS K.
@@ -558,9 +614,14 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                               thr_dkv.partition_fragment_B(smem_view(smem_do + buf_offset, LayoutQdOt{})), acc_dv);
             wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(smem_view(smem_ds, LayoutPdSt{})),
                               thr_dkv.partition_fragment_B(smem_view(smem_q + buf_offset, LayoutQdOt{})), acc_dk);
-            warpgroup_wait<2>();  // dQ's batch is done: its atomics overlap with the dV and dK products
+            warpgroup_wait<2>();  // dQ's batch is done: it leaves while the dV and dK products run
             warpgroup_fence_operand(acc_dq);
-            add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
+            stage_dq_accum<Traits>(acc_dq, tiled_mma_dq, smem_dq, dq_row0 + int64_t(m_block) * kBlockM);
+            fence_smem_for_wgmma();  // the bulk reduction reads through the async proxy
+            __syncthreads();
+            if (tidx == 0) {
+                bulk_add_to_global(dq_accum + int64_t(m_block) * kBlockM * kHeadDim, smem_dq, kSmemDqSize<Traits>);
+            }
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_dv);
             warpgroup_fence_operand(acc_dk);
@@ -573,8 +634,14 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
             clear(acc_dq);
             gemm(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq_sync, smem_copy_A_dq, smem_copy_Bt_dq,
                  thr_copy_A_dq, thr_copy_Bt_dq);
-            add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
+            add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim,
+                                 dq_row0 + int64_t(m_block) * kBlockM);
         }
+    }
+    // The dQ tiles have landed before the next key block's (deterministic: the same rows, in order)
+    // and before the CTA's shared memory goes.
+    if constexpr (kWgmma) {
+        if (tidx == 0) { bulk_wait_done(); }
     }
 
     const float dk_scale = params.softmax_scale, dv_scale = Is_dropout ? params.inv_keep_prob : 1.f;

@@ -26,7 +26,7 @@ void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
         <<<unsigned((dot_threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(params, num_tokens);
     check_cuda(cudaGetLastError(), "launch of the backward's rowsum(dO * O) kernel");
 
-    constexpr int kSmemSize = Traits::kSmemSize + kSmemRowStatsSize<Traits>;
+    constexpr int kSmemSize = Traits::kSmemSize + kSmemRowStatsSize<Traits> + kSmemDqSize<Traits>;
     auto kernel = &flash_bwd_kernel<Traits, Is_dropout, Is_masked>;
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize),
                "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");

@@ -2,6 +2,7 @@
 // dtype x head dim x dropout x mask), which compile in parallel.
 #pragma once
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "cuda_check.h"
@@ -62,8 +63,14 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
                                 : &flash_fwd_ws_kernel<Ws, Is_masked, /*Overlap=*/false>;
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
                    "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised forward kernel");
-        const typename Ws::KernelArgs args = Ws::make_args(params);
-        const dim3 grid(ceil_div(params.seqlen_q, Ws::kBlockM), params.heads, params.batch);
+        static const int num_sms = [] {
+            int device = 0, count = 0;
+            cudaGetDevice(&device);
+            cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+            return count;
+        }();
+        const typename Ws::KernelArgs args = Ws::make_args(params, Is_masked, num_sms);
+        const dim3 grid(std::min(args.schedule.num_units, num_sms));  // persistent: one CTA per SM
         kernel<<<grid, Ws::kThreads, Ws::kSmemSize, stream>>>(args);
         check_cuda(cudaGetLastError(), "launch of the warp-specialised forward kernel");
         return true;

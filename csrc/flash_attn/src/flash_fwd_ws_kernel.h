@@ -1,16 +1,17 @@
-// Opt-in (FLASH_ATTN_SM90_WS=1 or 2) while it covers less than the default path: the sm90
-// forward with warp specialisation. One producer warpgroup issues TMA loads of Q and of K/V tiles
-// into a kStages-deep shared-memory ring tracked by mbarriers (CUTLASS's PipelineTmaAsync), and
-// gives its registers to the two consumer warpgroups (setmaxnreg), which own 64 query rows each
-// and run S = Q K^T and O += P V on wgmma, the softmax and the score modifications (the pieces of
-// the mma.sync/wgmma kernel: score_mods.h, softmax.h, fwd_block_range.h). Mode 2 (Overlap) issues
-// S of block j + 1 with P V of block j and has the consumers take turns (ping-pong).
+// The sm90 forward with warp specialisation (flash_fwd_launch.h: from 8K keys, or as
+// FLASH_ATTN_SM90_WS says). One producer warpgroup issues TMA loads of Q and of K/V tiles into a
+// kStages-deep shared-memory ring tracked by mbarriers (CUTLASS's PipelineTmaAsync), and gives its
+// registers to the two consumer warpgroups (setmaxnreg), which own 64 query rows each and run
+// S = Q K^T and O += P V on wgmma, the softmax and the score modifications (the pieces of the
+// mma.sync/wgmma kernel: score_mods.h, softmax.h, fwd_block_range.h). Mode 2 (Overlap) issues S of
+// block j + 1 with P V of block j and has the consumers take turns (ping-pong).
+//
+// The CTAs are persistent (one per SM, WsSchedule): each walks work units of one query block, or
+// under a mask two (m and its mirror, so every unit has the same number of key blocks), and the
+// producer loads the next unit's Q and K/V while the consumers write the last one's O.
 //
 // Scope: padded and varlen (not paged, no seqused_k / left padding) inputs, no dropout, no
-// split-KV, head dims 64 and 128;
-// flash_fwd_launch.h takes it only when asked (its results differ from the default kernel's in
-// the last bits, so plain and varlen calls would no longer agree bitwise). Not yet: a TMA-store
-// epilogue, a persistent scheduler (it loses to the default kernel at s2k causal).
+// split-KV, head dims 64 and 128. Not yet: a TMA-store epilogue.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -55,7 +56,8 @@ struct ForwardWs {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKVStages>> k;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKVStages>> v;
         typename Pipeline::SharedStorage pipeline_k, pipeline_v;
-        alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
+        alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;  // Q landed (the producer's expect-tx)
+        alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty;        // the consumers are done with Q
     };
     static constexpr int kSmemSize = int(sizeof(SharedStorage));
 
@@ -73,10 +75,34 @@ struct ForwardWs {
     static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
     static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
+    // The persistent CTAs' work: units of one query block, or two (m and num_m_blocks - 1 - m, heaviest
+    // first) where the mask makes blocks unequal; a head's units are consecutive, so the CTAs running
+    // at once share few heads' K/V in L2. CTA c takes units c, c + gridDim.x, ...
+    struct WsSchedule {
+        int num_m_blocks, units_per_head, num_units;
+        bool paired;
+
+        static WsSchedule make(const AttentionParams &p, bool masked, int num_sms) {
+            const int num_m = (p.seqlen_q + kBlockM - 1) / kBlockM, heads_batch = p.heads * p.batch;
+            // Pairs halve the units: only where they still fill every SM.
+            const bool paired = masked && num_m > 1 && int64_t((num_m + 1) / 2) * heads_batch >= num_sms;
+            const int per_head = paired ? (num_m + 1) / 2 : num_m;
+            return {num_m, per_head, per_head * heads_batch, paired};
+        }
+        // The i-th query block (i = 0, 1) of unit u, or -1.
+        __device__ int m_block(int unit, int i) const {
+            const int p = unit % units_per_head, heavy = num_m_blocks - 1 - p;
+            return i == 0 ? heavy : (paired && p != heavy ? p : -1);
+        }
+        __device__ int head(int unit, int heads) const { return unit / units_per_head % heads; }
+        __device__ int batch(int unit, int heads) const { return unit / units_per_head / heads; }
+    };
+
     struct KernelArgs {
         AttentionParams params;
         TmaQ tma_q;
         TmaKV tma_k, tma_v;
+        WsSchedule schedule;
     };
 
     static auto gmem_qkv(const void *ptr, int rows, int head_dim, int heads, int batch, int64_t row_stride,
@@ -88,7 +114,7 @@ struct ForwardWs {
 
     // Varlen inputs are one batch entry of all the packed rows; the kernel offsets each sequence's
     // tiles by its first row (rows past a sequence's end are the next one's: masked or not stored).
-    static KernelArgs make_args(const AttentionParams &p) {
+    static KernelArgs make_args(const AttentionParams &p, bool masked, int num_sms) {
         const bool varlen_q = p.cu_seqlens_q != nullptr, varlen_k = p.cu_seqlens_k != nullptr;
         auto mQ = gmem_qkv(p.q_ptr, varlen_q ? p.total_q : p.seqlen_q, p.head_dim, p.heads, varlen_q ? 1 : p.batch,
                            p.q_row_stride, p.q_head_stride, varlen_q ? 0 : p.q_batch_stride);
@@ -100,7 +126,8 @@ struct ForwardWs {
         return {p,
                 make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}),
                 make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}),
-                make_tma_copy(SM90_TMA_LOAD{}, mV, SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{})};
+                make_tma_copy(SM90_TMA_LOAD{}, mV, SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}),
+                WsSchedule::make(p, masked, num_sms)};
     }
 
     // What TMA needs of the global tensors: 16-byte aligned bases and strides.
@@ -127,14 +154,26 @@ __device__ __forceinline__ void ws_store_o(const AttentionParams &params, const 
     using Element = typename Ws::Element;
     Element *o = reinterpret_cast<Element *>(params.o_ptr) + seq.q_offset(params.o_batch_stride, params.o_row_stride, bidb) +
                  int64_t(bidh) * params.o_head_stride;
+    // Columns (c, c + 1), c even, are adjacent (head_dim is a multiple of 8): one 4-byte store each
+    // where O's alignment allows.
+    const bool pairs_aligned = reinterpret_cast<uintptr_t>(o) % 4 == 0 && params.o_row_stride % 2 == 0;
     CUTE_UNROLL
     for (int r = 0; r < size<0>(acc_o_rowcol); ++r) {
         const int row = m_block * Ws::kBlockM + get<0>(tOcO_rc(r, 0));
         if (row >= seq.seqlen_q) { continue; }
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(acc_o_rowcol); ++c) {
+        for (int c = 0; c < size<1>(acc_o_rowcol); c += 2) {
             const int col = get<1>(tOcO_rc(r, c));
-            if (col < params.head_dim) { o[int64_t(row) * params.o_row_stride + col] = Element(acc_o_rowcol(r, c)); }
+            if (col >= params.head_dim) { continue; }
+            Element *dst = o + int64_t(row) * params.o_row_stride + col;
+            const Element lo = Element(acc_o_rowcol(r, c)), hi = Element(acc_o_rowcol(r, c + 1));
+            if (pairs_aligned) {
+                cutlass::AlignedArray<Element, 2> pair;
+                pair[0] = lo, pair[1] = hi;
+                *reinterpret_cast<cutlass::AlignedArray<Element, 2> *>(dst) = pair;
+            } else {
+                dst[0] = lo, dst[1] = hi;
+            }
         }
         if (get<1>(tOcO_rc(r, 0)) == 0) {  // one lane of the quad writes the row's statistics
             params.softmax_lse_ptr[lse_index(params, seq, bidb, bidh, row)] = lse[r];
@@ -180,17 +219,14 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     extern __shared__ __align__(1024) char smem_raw[];
     auto &storage = *reinterpret_cast<typename Ws::SharedStorage *>(smem_raw);
 
-    // Heaviest query blocks first (blockIdx.x, the fastest index, walks the query blocks backwards).
-    const int m_block = gridDim.x - 1 - blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
-    const int bidh_k = bidh / params.heads_per_head_k;
+    const typename Ws::WsSchedule &schedule = args.schedule;
     const int warpgroup = threadIdx.x / 128;
-    const SequenceInfo seq(params, bidb);
-    if (m_block * kBlockM >= seq.seqlen_q) { return; }  // varlen: past this sequence (the whole CTA)
-    const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);
 
-    // Barriers: Q's (one arrival: the producer's expect-tx), and the K and V rings.
+    // Barriers: Q's (one arrival: the producer's expect-tx), Q's release (every consumer thread),
+    // and the K and V rings.
     if (threadIdx.x == 0) {
         storage.barrier_q.init(1);
+        storage.barrier_q_empty.init(Ws::kConsumerThreads);
         cutlass::arch::fence_barrier_init();
     }
     typename Pipeline::Params pipe_params;
@@ -206,9 +242,28 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Ws::SmemLayoutKVStages{});
     Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Ws::SmemLayoutKVStages{});
 
+    // Every role walks the same query blocks: those of this CTA's units that exist (varlen: a
+    // sequence shorter than the longest has fewer), in order; `item` counts them (Q's phases).
+    auto for_each_block = [&](auto &&body) {
+        int item = 0;
+        for (int unit = blockIdx.x; unit < schedule.num_units; unit += gridDim.x) {
+            const int bidh = schedule.head(unit, params.heads), bidb = schedule.batch(unit, params.heads);
+            const SequenceInfo seq(params, bidb);
+            for (int i = 0; i < 2; ++i) {
+                const int m_block = schedule.m_block(unit, i);
+                if (m_block < 0 || m_block * kBlockM >= seq.seqlen_q) { continue; }
+                body(seq, m_block, bidh, bidb, item++);
+            }
+        }
+    };
+
     if (warpgroup == 0) {  // producer
         cutlass::arch::warpgroup_reg_dealloc<24>();
-        if (threadIdx.x == 0) {  // the pipeline's leader (is_leader): it arms the barriers it loads into
+        if (threadIdx.x != 0) { return; }  // the pipeline's leader (is_leader) arms the barriers it loads into
+        PipelineState state = cutlass::make_producer_start_state<Pipeline>();
+        for_each_block([&](const SequenceInfo &seq, int m_block, int bidh, int bidb, int item) {
+            const int bidh_k = bidh / params.heads_per_head_k;
+            const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);
             const bool varlen_q = seq.q_start >= 0, varlen_k = seq.k_start >= 0;
             Tensor mQ = args.tma_q.get_tma_tensor(make_shape(varlen_q ? params.total_q : params.seqlen_q, params.head_dim,
                                                              params.heads, varlen_q ? 1 : params.batch));
@@ -234,9 +289,15 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
             auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                               group_modes<0, 2>(gV));
             using BarrierType = typename Pipeline::ProducerBarrierType;
-            storage.barrier_q.arrive_and_expect_tx(Ws::kBytesQ);
-            copy(args.tma_q.with(reinterpret_cast<BarrierType &>(storage.barrier_q), 0), tQgQ, tQsQ);
-            PipelineState state = cutlass::make_producer_start_state<Pipeline>();
+            // Q has one buffer: the last block's consumers must be done with it. Its first K/V stage
+            // is issued before that wait, as soon as the ring has room.
+            bool q_issued = false;
+            auto issue_q = [&] {
+                if (item > 0) { storage.barrier_q_empty.wait((item - 1) % 2); }
+                storage.barrier_q.arrive_and_expect_tx(Ws::kBytesQ);
+                copy(args.tma_q.with(reinterpret_cast<BarrierType &>(storage.barrier_q), 0), tQgQ, tQsQ);
+                q_issued = true;
+            };
             for (int n_block = range.n_block_max - 1; n_block >= range.n_block_min; --n_block) {
                 pipeline_k.producer_acquire(state);
                 copy(args.tma_k.with(*pipeline_k.producer_get_barrier(state), 0), tKgK(_, n_block),
@@ -245,8 +306,10 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                 copy(args.tma_v.with(*pipeline_v.producer_get_barrier(state), 0), tVgV(_, n_block),
                      tVsV(_, state.index()));
                 ++state;
+                if (!q_issued) { issue_q(); }
             }
-        }
+            if (!q_issued) { issue_q(); }  // no key block to see: the consumers still wait for Q
+        });
         return;
     }
 
@@ -258,16 +321,6 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     typename Wgmma::TiledMmaO tiled_mma_o;
     auto thr_s = tiled_mma_s.get_thread_slice(ctid);
     auto thr_o = tiled_mma_o.get_thread_slice(ctid);
-    Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    clear(acc_o);
-    Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_as_rowcol(acc_o.layout()));
-    constexpr int kRows = decltype(size<0>(acc_o_rowcol))::value;
-    OnlineSoftmax<kRows> softmax;
-    Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
-    const ScoreMods score_mods = ScoreMods::make(params, seq, bidb, bidh);
-
-    storage.barrier_q.wait(0);
     Tensor tSrQ = thr_s.partition_fragment_A(smem_view(storage.q.data(), typename Wgmma::SmemLayoutQ{}));
     auto tSrK = [&](int stage) {
         return thr_s.partition_fragment_B(smem_view(storage.k.data() + stage * Ws::kTileElems,
@@ -277,82 +330,99 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         return thr_o.partition_fragment_B(smem_view(storage.v.data() + stage * Ws::kTileElems,
                                                     typename Wgmma::SmemLayoutVt{}));
     };
-    // S = Q K^T of a key block, waited for, its K stage released, masked and exponentiated (acc_o
-    // rescaled with it): acc_s then holds P.
-    auto scores_to_p = [&](auto &acc_s, auto &scores, PipelineState const &stage_state, int n_block) {
-        pipeline_k.consumer_wait(stage_state);
-        wgmma_gemm<true>(tiled_mma_s, tSrQ, tSrK(stage_state.index()), acc_s);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_s);
-        pipeline_k.consumer_release(stage_state);
-        score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
-        softmax.update(scores, acc_o_rowcol, params.score_scale_log2);
-    };
-    PipelineState state;  // consumers start at phase 0
-    if constexpr (!Overlap) {
-        for (int n_block = range.n_block_max - 1; n_block >= range.n_block_min; --n_block) {
+    Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
+    Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tOcO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
+    PipelineState state;  // consumers start at phase 0; the ring's state runs on across blocks
+
+    for_each_block([&](const SequenceInfo &seq, int m_block, int bidh, int bidb, int item) {
+        const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);
+        Tensor acc_o = partition_fragment_C(tiled_mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        clear(acc_o);
+        Tensor acc_o_rowcol = make_tensor(acc_o.data(), acc_as_rowcol(acc_o.layout()));
+        constexpr int kRows = decltype(size<0>(acc_o_rowcol))::value;
+        OnlineSoftmax<kRows> softmax;
+        const ScoreMods score_mods = ScoreMods::make(params, seq, bidb, bidh);
+
+        storage.barrier_q.wait(item % 2);
+        // S = Q K^T of a key block, waited for, its K stage released, masked and exponentiated (acc_o
+        // rescaled with it): acc_s then holds P.
+        auto scores_to_p = [&](auto &acc_s, auto &scores, PipelineState const &stage_state, int n_block) {
+            pipeline_k.consumer_wait(stage_state);
+            wgmma_gemm<true>(tiled_mma_s, tSrQ, tSrK(stage_state.index()), acc_s);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(acc_s);
+            pipeline_k.consumer_release(stage_state);
+            score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
+            softmax.update(scores, acc_o_rowcol, params.score_scale_log2);
+        };
+        if constexpr (!Overlap) {
+            for (int n_block = range.n_block_max - 1; n_block >= range.n_block_min; --n_block) {
+                Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+                Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
+                scores_to_p(acc_s, scores, state, n_block);
+                Tensor rP = convert_type<Element>(acc_s);
+                Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
+
+                pipeline_v.consumer_wait(state);
+                wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state.index()), acc_o);
+                warpgroup_wait<0>();
+                warpgroup_fence_operand(acc_o);
+                pipeline_v.consumer_release(state);
+                ++state;
+            }
+        } else if (range.n_block_max > range.n_block_min) {
+            // Block j's S -> P (registers, the input dtype); the loop then issues S of j + 1 with P V of j.
+            const int consumer = warpgroup - 1;
+            const int turns = range.n_block_max - range.n_block_min - 1;  // the same for both consumers
+            int n_block = range.n_block_max - 1;
             Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
             Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
             scores_to_p(acc_s, scores, state, n_block);
             Tensor rP = convert_type<Element>(acc_s);
             Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
-
-            pipeline_v.consumer_wait(state);
-            wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state.index()), acc_o);
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(acc_o);
-            pipeline_v.consumer_release(state);
+            PipelineState state_v = state;  // the stage of P's V
             ++state;
-        }
-    } else if (range.n_block_max > range.n_block_min) {
-        // Block j's S -> P (registers, the input dtype); the loop then issues S of j + 1 with P V of j.
-        const int consumer = warpgroup - 1;
-        const int turns = range.n_block_max - range.n_block_min - 1;  // the same for both consumers
-        int n_block = range.n_block_max - 1;
-        Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
-        scores_to_p(acc_s, scores, state, n_block);
-        Tensor rP = convert_type<Element>(acc_s);
-        Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
-        PipelineState state_v = state;  // the stage of P's V
-        ++state;
-        // The first turn is consumer 0's: consumer 1 opens it. Each turn's end opens the other's,
-        // except consumer 1's last, which no turn would take (every arrival is waited for).
-        if (consumer == 1 && turns > 0) { ws_pass_turn(consumer); }
-        for (int turn = 0; turn < turns; ++turn) {
-            --n_block;
-            ws_wait_turn(consumer);
-            pipeline_k.consumer_wait(state);
-            wgmma_gemm<true>(tiled_mma_s, tSrQ, tSrK(state.index()), acc_s);
+            // The first turn is consumer 0's: consumer 1 opens it. Each turn's end opens the other's,
+            // except consumer 1's last, which no turn would take (every arrival of a block is waited
+            // for within the block, so the next block's turns start afresh).
+            if (consumer == 1 && turns > 0) { ws_pass_turn(consumer); }
+            for (int turn = 0; turn < turns; ++turn) {
+                --n_block;
+                ws_wait_turn(consumer);
+                pipeline_k.consumer_wait(state);
+                wgmma_gemm<true>(tiled_mma_s, tSrQ, tSrK(state.index()), acc_s);
+                pipeline_v.consumer_wait(state_v);
+                wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state_v.index()), acc_o);
+                if (!(consumer == 1 && turn == turns - 1)) { ws_pass_turn(consumer); }
+                warpgroup_wait<1>();  // S of this block landed; P V of the last may still run
+                warpgroup_fence_operand(acc_s);
+                pipeline_k.consumer_release(state);
+                score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
+                float rescale[kRows];
+                softmax.update_scores(scores, rescale, params.score_scale_log2);
+                warpgroup_wait<0>();  // P V landed: rP and the V stage are free, acc_o is final
+                warpgroup_fence_operand(acc_o);
+                pipeline_v.consumer_release(state_v);
+                softmax.rescale_o(acc_o_rowcol, rescale);
+                rP = convert_type<Element>(acc_s);
+                state_v = state;
+                ++state;
+            }
             pipeline_v.consumer_wait(state_v);
             wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state_v.index()), acc_o);
-            if (!(consumer == 1 && turn == turns - 1)) { ws_pass_turn(consumer); }
-            warpgroup_wait<1>();  // S of this block landed; P V of the last may still run
-            warpgroup_fence_operand(acc_s);
-            pipeline_k.consumer_release(state);
-            score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
-            float rescale[kRows];
-            softmax.update_scores(scores, rescale, params.score_scale_log2);
-            warpgroup_wait<0>();  // P V landed: rP and the V stage are free, acc_o is final
+            warpgroup_wait<0>();
             warpgroup_fence_operand(acc_o);
             pipeline_v.consumer_release(state_v);
-            softmax.rescale_o(acc_o_rowcol, rescale);
-            rP = convert_type<Element>(acc_s);
-            state_v = state;
-            ++state;
         }
-        pipeline_v.consumer_wait(state_v);
-        wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state_v.index()), acc_o);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_o);
-        pipeline_v.consumer_release(state_v);
-    }
+        // Every S product of this block has been waited for: Q's buffer is the next block's.
+        storage.barrier_q_empty.arrive();
 
-    float lse[kRows];
-    softmax.finalize(acc_o_rowcol, params.score_scale, 1.f, lse, INFINITY);
-    Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    Tensor tOcO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
-    ws_store_o<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh);
+        float lse[kRows];
+        softmax.finalize(acc_o_rowcol, params.score_scale, 1.f, lse, INFINITY);
+        ws_store_o<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh);
+    });
 #else
     __trap();  // only sm_90a images reach here; never leave O unwritten
 #endif
