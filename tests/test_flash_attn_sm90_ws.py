@@ -1,5 +1,5 @@
 """The warp-specialised sm90 forward (FLASH_ATTN_SM90_WS=1 its plain consumer loop, 2 the
-overlapped ping-pong one, unset mode 2 from 8K keys; the binding reads the flag once per process,
+overlapped ping-pong one, unset mode 2 from 2K keys; the binding reads the flag once per process,
 so the cases run in child processes): flash-attn's error rule against the fp32 reference for every
 score modifier and head layout it covers, padded and varlen (test_flash_attn_interface's
 _run_and_check and test_varlen), batches with more work units than SMs (the persistent CTAs walk
@@ -64,7 +64,7 @@ CHILD = textwrap.dedent("""
         packed += 1
     outs = {}
     for d, causal, (sq, sk) in itertools.product(
-            (64, 128), (False, True), ((1000, 1000), (8192, 8192), (1, 8192), (64, 8192))):
+            (64, 128), (False, True), ((1000, 1000), (2048, 2048), (8192, 8192), (1, 8192), (64, 8192))):
         torch.manual_seed(d)
         q = torch.randn(1, sq, 4, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, sk, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -106,17 +106,17 @@ def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path, mod
 
 
 @pytest.mark.gpu
-def test_unset_flag_takes_mode_2_from_8k_keys(tmp_path):
-    """FLASH_ATTN_SM90_WS unset: the default kernel below 8K keys and where it takes the decode
-    tile (<= 64 queries, no mask), mode 2 otherwise from 8K keys (bitwise each)."""
+def test_unset_flag_takes_mode_2_from_2k_keys(tmp_path):
+    """FLASH_ATTN_SM90_WS unset: the default kernel below 2K keys and where it takes the decode
+    tile (<= 64 queries, no mask), mode 2 otherwise from 2K keys (bitwise each)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward is sm90 only")
     auto, off, ws = (_child(tmp_path, flag, check=False) for flag in (None, 0, 2))
     for d, causal, sq, sk in auto:
         decode_tile = sq <= 64 and not causal
-        expected = ws if sk >= 8192 and not decode_tile else off
+        expected = ws if sk >= 2048 and not decode_tile else off
         assert torch.equal(auto[d, causal, sq, sk], expected[d, causal, sq, sk]), (d, causal, sq, sk)
     # Where auto takes mode 2 the outputs tell the kernels apart. On the decode-shaped calls they do
     # not (on the H200 mode 2 and the decode tile agree bitwise there: one query block, 128-key
     # blocks both): there auto == default checks the result, not which kernel ran.
-    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[3] >= 8192 and key[2] > 64)
+    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[3] >= 2048 and key[2] > 64)
