@@ -1,4 +1,4 @@
-// The sm90 forward with warp specialisation (flash_fwd_launch.h: from 8K keys, or as
+// The sm90 forward with warp specialisation (flash_fwd_launch.h: from kWsMinKeys keys, or as
 // FLASH_ATTN_SM90_WS says). One producer warpgroup issues TMA loads of Q and of K/V tiles into a
 // kStages-deep shared-memory ring tracked by mbarriers (CUTLASS's PipelineTmaAsync), and gives its
 // registers to the two consumer warpgroups (setmaxnreg), which own 64 query rows each and run
