@@ -41,7 +41,7 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
         // FLASH_ATTN_SM90_WS: 0 never, 1 the plain consumer loop, 2 the overlapped, ping-pong one;
         // unset, mode 2 from 2K keys (max over the batch, so plain and varlen calls of the same
         // lengths agree): on the H200 it matched or beat the default kernel at every measured shape
-        // from 2K (d64 s1k it lost by 2-5%), except where the default takes the decode tile (its
+        // from 2K (at d64 s1k it lost by 1-5%), except where the default takes the decode tile (its
         // 128 rows would be mostly empty).
         constexpr int kAuto = -1;
         static const int mode = [] {
