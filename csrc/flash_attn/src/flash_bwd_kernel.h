@@ -11,49 +11,19 @@
 
 #include <cute/tensor.hpp>
 
-#include "wgmma.h"
+#include "block_range.h"
+#include "bwd_epilogue.h"
 #include "dropout.h"
 #include "flash.h"
 #include "kernel_traits.h"
 #include "score_mods.h"
 #include "sequence_info.h"
 #include "utils.h"
+#include "wgmma.h"
 
 namespace flash {
 
 using namespace cute;
-
-// dq_accum is (num_splits, heads, rows, kernel head dim) fp32 with rows = batch * seqlen_q_rounded
-// (padded inputs) or total_q + 128 (varlen), so that a query block's rows are one contiguous range.
-// Within a row the 16-byte chunks of columns are permuted by the row (chunk ^ row % 8; the kernel
-// head dims are multiples of 32): the sm90 path stages a dQ tile in shared memory in exactly
-// dq_accum's byte order and adds it with one bulk reduction, and this order spreads the tile's
-// stores over the banks. Every writer and reader of dq_accum places columns with dq_accum_col.
-__host__ __device__ __forceinline__ int dq_accum_col(int64_t row, int col) {
-    return ((col >> 2) ^ int(row & 7)) * 4 + (col & 3);
-}
-
-// The sm90 path's dQ tile: shared memory -> dq_accum as one asynchronous bulk reduction (add) by
-// one thread, and its waits: for the source to have been read (the buffer is free again), and for
-// the additions to have landed.
-__device__ __forceinline__ void bulk_add_to_global(float *gmem, const float *smem, int bytes) {
-#if FLASH_WGMMA_ARCH
-    const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(smem));
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                 ::"l"(gmem), "r"(smem_addr), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void bulk_wait_source_read() {
-#if FLASH_WGMMA_ARCH
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void bulk_wait_done() {
-#if FLASH_WGMMA_ARCH
-    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#endif
-}
 
 // Where one (token, head) of a query-side tensor and its dq_accum row are: the pre- and
 // post-processing kernels walk tokens of the packed (varlen) or padded layout alike.
@@ -179,94 +149,6 @@ __global__ void flash_bwd_convert_dq_kernel(const __grid_constant__ AttentionPar
 // 2. dK, dV (and dQ through dq_accum) of one key block.
 // ---------------------------------------------------------------------------------------------
 
-// Writes a dK or dV accumulator tile (tiled_mma_dkv layout), scaled, to the rows of the key
-// block that exist, straight from registers: adjacent column pairs as one 4-byte store where the
-// tensor's alignment allows (any strides are accepted).
-template <typename Traits, typename Acc, typename TiledMma>
-__device__ __forceinline__ void store_dkv(Acc const &acc, TiledMma const &tiled_mma, void *ptr, int64_t offset,
-                                          int64_t row_stride, int rows_valid, int head_dim, float scale) {
-    using Element = typename Traits::Element;
-    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-    auto thr_mma = tiled_mma.get_thread_slice(threadIdx.x);
-    Element *base = reinterpret_cast<Element *>(ptr) + offset;
-    Tensor g = make_tensor(make_gmem_ptr(base), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(row_stride, _1{}));
-    Tensor tg = thr_mma.partition_C(g);
-    Tensor tc = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    const bool pairs_aligned = (reinterpret_cast<uintptr_t>(base) % 4 == 0) && row_stride % 2 == 0;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); i += 2) {  // (i, i + 1): adjacent columns of one row (head_dim is even)
-        if (get<0>(tc(i)) < rows_valid && get<1>(tc(i)) < head_dim) {
-            const Element lo = Element(acc(i) * scale), hi = Element(acc(i + 1) * scale);
-            if (pairs_aligned) {
-                cutlass::AlignedArray<Element, 2> pair;  // 4-byte aligned: one store
-                pair[0] = lo, pair[1] = hi;
-                *reinterpret_cast<cutlass::AlignedArray<Element, 2> *>(&tg(i)) = pair;
-            } else {
-                tg(i) = lo, tg(i + 1) = hi;
-            }
-        }
-    }
-}
-
-// The same through shared memory (smem: a free kBlockN x head_dim tile in SmemLayoutKV), so that
-// whole rows leave in 16-byte stores: full sectors, no partial writes. For 16-byte aligned rows;
-// every thread calls it (it synchronises the block).
-template <typename Traits, typename Acc, typename TiledMma>
-__device__ __forceinline__ void store_dkv_staged(Acc &acc, TiledMma const &tiled_mma, typename Traits::Element *smem,
-                                                 void *ptr, int64_t offset, int64_t row_stride, int rows_valid,
-                                                 int head_dim, float scale) {
-    using Element = typename Traits::Element;
-    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-    Tensor s = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutKV{});
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) { acc(i) *= scale; }
-    Tensor r = convert_type<Element>(acc);
-    auto smem_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomAcc{}, tiled_mma);
-    auto smem_thr_copy = smem_copy.get_thread_slice(threadIdx.x);
-    cute::copy(smem_copy, smem_thr_copy.retile_S(r), smem_thr_copy.partition_D(s));
-    __syncthreads();
-    typename Traits::GmemTiledCopyO gmem_copy;
-    auto gmem_thr_copy = gmem_copy.get_thread_slice(threadIdx.x);
-    Tensor g = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(ptr) + offset),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(row_stride, _1{}));
-    Tensor tg = gmem_thr_copy.partition_D(g);
-    Tensor tr = make_tensor<Element>(shape(tg));
-    cute::copy(gmem_copy, gmem_thr_copy.partition_S(s), tr);
-    Tensor tc = gmem_thr_copy.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-    Tensor tp = col_predicates(tc, head_dim);
-    copy_tile<false>(gmem_copy, tr, tg, tc, tp, rows_valid, head_dim == kHeadDim && rows_valid >= kBlockN);
-}
-
-// Adds a query block's dQ (an accumulator of tiled_mma_dq) into its rows of dq_accum (block_row0:
-// the block's first dq_accum row), two adjacent columns per vector reduction.
-template <typename Traits, typename Acc, typename TiledMma>
-__device__ __forceinline__ void add_dq_accum(Acc const &acc_dq, TiledMma const &tiled_mma, float *dq_accum_block,
-                                             int64_t block_row0) {
-    constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-    Tensor tc = tiled_mma.get_thread_slice(threadIdx.x).partition_C(
-        make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i + 1): adjacent columns of one row
-        const int row = get<0>(tc(i)), col = get<1>(tc(i));
-        atomic_add_pair(dq_accum_block + row * kHeadDim + dq_accum_col(block_row0 + row, col), acc_dq(i), acc_dq(i + 1));
-    }
-}
-
-// The same tile written to shared memory in dq_accum's byte order (then bulk-added, sm90 path).
-template <typename Traits, typename Acc, typename TiledMma>
-__device__ __forceinline__ void stage_dq_accum(Acc const &acc_dq, TiledMma const &tiled_mma, float *smem_dq,
-                                               int64_t block_row0) {
-    constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-    Tensor tc = tiled_mma.get_thread_slice(threadIdx.x).partition_C(
-        make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); i += 2) {
-        const int row = get<0>(tc(i)), col = get<1>(tc(i));
-        *reinterpret_cast<float2 *>(smem_dq + row * kHeadDim + dq_accum_col(block_row0 + row, col)) =
-            make_float2(acc_dq(i), acc_dq(i + 1));
-    }
-}
-
 // Shared memory of the sm90 path's dQ tile (after the row statistics below): the backward kernel
 // and its launch agree on this through kBackwardWgmmaApplies (not BackwardWgmma::kEnabled, which
 // the host pass sees false).
@@ -285,22 +167,12 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     const int tidx = threadIdx.x, lane = tidx % 32;
-    const int diag = seq.seqlen_k - seq.seqlen_q;
     const bool even_k = params.head_dim == kHeadDim;
     const int kv_rows = seq.seqlen_k - n_block * kBlockN;
 
-    // Query blocks that see any key of this block (the forward's window read backwards).
-    int m_block_min = 0, m_block_max = ceil_div(seq.seqlen_q, kBlockM);
-    if constexpr (Is_masked) {
-        if (params.window_size_right >= 0) {
-            const int first_row = n_block * kBlockN - diag - params.window_size_right;
-            m_block_min = max(0, first_row >= 0 ? first_row / kBlockM : 0);
-        }
-        if (params.window_size_left >= 0) {
-            const int last_row = (n_block + 1) * kBlockN - 1 - diag + params.window_size_left;
-            m_block_max = min(m_block_max, last_row >= 0 ? last_row / kBlockM + 1 : 0);
-        }
-    }
+    // Query blocks that see any key of this block.
+    const auto m_range = QueryBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, n_block);
+    const int m_block_min = m_range.m_block_min, m_block_max = m_range.m_block_max;
 
     const int bidh_k = bidh / params.heads_per_head_k;
     const int64_t k_row0 = seq.k_offset(params.k_batch_stride, params.k_row_stride) +
@@ -331,10 +203,10 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     clear(acc_dv);
 
     if (m_block_max <= m_block_min) {  // no query sees these keys: their gradients are 0
-        store_dkv<Traits>(acc_dk, tiled_mma_dkv, params.dk_ptr, dk_row0, params.dk_row_stride, kv_rows,
-                          params.head_dim, 0.f);
-        store_dkv<Traits>(acc_dv, tiled_mma_dkv, params.dv_ptr, dv_row0, params.dv_row_stride, kv_rows,
-                          params.head_dim, 0.f);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, tidx, params.dk_ptr, dk_row0, params.dk_row_stride,
+                                              kv_rows, params.head_dim, 0.f);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, tidx, params.dv_ptr, dv_row0, params.dv_row_stride,
+                                              kv_rows, params.head_dim, 0.f);
         return;
     }
 
@@ -616,7 +488,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                               thr_dkv.partition_fragment_B(smem_view(smem_q + buf_offset, LayoutQdOt{})), acc_dk);
             warpgroup_wait<2>();  // dQ's batch is done: it leaves while the dV and dK products run
             warpgroup_fence_operand(acc_dq);
-            stage_dq_accum<Traits>(acc_dq, tiled_mma_dq, smem_dq, dq_row0 + int64_t(m_block) * kBlockM);
+            stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, tidx, smem_dq,
+                                              dq_row0 + int64_t(m_block) * kBlockM);
             fence_smem_for_wgmma();  // the bulk reduction reads through the async proxy
             __syncthreads();
             if (tidx == 0) {
@@ -657,10 +530,10 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         store_dkv_staged<Traits>(acc_dv, tiled_mma_dkv, smem_v, params.dv_ptr, dv_row0, params.dv_row_stride,
                                  kv_rows, params.head_dim, dv_scale);
     } else {
-        store_dkv<Traits>(acc_dk, tiled_mma_dkv, params.dk_ptr, dk_row0, params.dk_row_stride, kv_rows,
-                          params.head_dim, dk_scale);
-        store_dkv<Traits>(acc_dv, tiled_mma_dkv, params.dv_ptr, dv_row0, params.dv_row_stride, kv_rows,
-                          params.head_dim, dv_scale);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, tidx, params.dk_ptr, dk_row0, params.dk_row_stride,
+                                              kv_rows, params.head_dim, dk_scale);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, tidx, params.dv_ptr, dv_row0, params.dv_row_stride,
+                                              kv_rows, params.head_dim, dv_scale);
     }
 }
 

@@ -6,7 +6,7 @@
 // sm90 the two products run on wgmma where the tile allows (wgmma.h), else on mma.sync.
 // cp.async loads V of this block during S = Q K^T and K of the next block during P V.
 //
-// The pieces it wires together: which key blocks it walks (fwd_block_range.h: the mask's bounds
+// The pieces it wires together: which key blocks it walks (block_range.h: the mask's bounds
 // and the split-KV share), the loads (contiguous, or paged with a row gather: paged_kv.h), the
 // score modifications (score_mods.h, shared with the backward), the main loop, and where the
 // results go (fwd_epilogue.h: final O + lse, or a split's partial O + lse).
@@ -14,9 +14,9 @@
 
 #include <cute/tensor.hpp>
 
+#include "block_range.h"
 #include "dropout.h"
 #include "flash.h"
-#include "fwd_block_range.h"
 #include "fwd_epilogue.h"
 #include "kernel_traits.h"
 #include "paged_kv.h"

@@ -23,7 +23,7 @@ void launch_fwd(AttentionParams &params, cudaStream_t stream) {
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize),
                    "cudaFuncSetAttribute(max dynamic shared memory) of the forward kernel");
     }
-    // z: heads fastest, then the split-KV splits (fwd_block_range.h).
+    // z: heads fastest, then the split-KV splits (block_range.h).
     const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.batch, params.heads * params.num_splits);
     kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
     check_cuda(cudaGetLastError(), "launch of the forward kernel");

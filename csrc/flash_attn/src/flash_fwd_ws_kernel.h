@@ -3,7 +3,7 @@
 // kStages-deep shared-memory ring tracked by mbarriers (CUTLASS's PipelineTmaAsync), and gives its
 // registers to the two consumer warpgroups (setmaxnreg), which own 64 query rows each and run
 // S = Q K^T and O += P V on wgmma, the softmax and the score modifications (the pieces of the
-// mma.sync/wgmma kernel: score_mods.h, softmax.h, fwd_block_range.h). Mode 2 (Overlap) issues S of
+// mma.sync/wgmma kernel: score_mods.h, softmax.h, block_range.h). Mode 2 (Overlap) issues S of
 // block j + 1 with P V of block j and has the consumers take turns (ping-pong).
 //
 // The CTAs are persistent (one per SM, WsSchedule): each walks work units of one query block, or
@@ -20,11 +20,12 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash.h"
-#include "fwd_block_range.h"
+#include "block_range.h"
 #include "kernel_traits.h"
 #include "score_mods.h"
 #include "sequence_info.h"
 #include "softmax.h"
+#include "tma_rows.h"
 #include "utils.h"
 #include "wgmma.h"
 
@@ -61,17 +62,8 @@ struct ForwardWs {
     };
     static constexpr int kSmemSize = int(sizeof(SharedStorage));
 
-    // Global tensors as TMA sees them: (rows, head dim, heads, batch).
-    using ShapeQKV = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
-    using StrideQKV = cute::Stride<int64_t, _1, int64_t, int64_t>;
-    using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                        make_tensor(make_gmem_ptr(static_cast<Element const *>(nullptr)),
-                                                    ShapeQKV{}, StrideQKV{}),
-                                        SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-    using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                         make_tensor(make_gmem_ptr(static_cast<Element const *>(nullptr)),
-                                                     ShapeQKV{}, StrideQKV{}),
-                                         SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+    using TmaQ = TmaRowsLoad<Element, SmemLayoutQ, kBlockM, kHeadDim>;
+    using TmaKV = TmaRowsLoad<Element, SmemLayoutKV, kBlockN, kHeadDim>;
     static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
     static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -105,43 +97,24 @@ struct ForwardWs {
         WsSchedule schedule;
     };
 
-    static auto gmem_qkv(const void *ptr, int rows, int head_dim, int heads, int batch, int64_t row_stride,
-                         int64_t head_stride, int64_t batch_stride) {
-        return make_tensor(make_gmem_ptr(static_cast<Element const *>(ptr)),
-                           ShapeQKV{rows, head_dim, heads, batch},
-                           StrideQKV{row_stride, _1{}, head_stride, batch_stride});
-    }
-
-    // Varlen inputs are one batch entry of all the packed rows; the kernel offsets each sequence's
-    // tiles by its first row (rows past a sequence's end are the next one's: masked or not stored).
     static KernelArgs make_args(const AttentionParams &p, bool masked, int num_sms) {
-        const bool varlen_q = p.cu_seqlens_q != nullptr, varlen_k = p.cu_seqlens_k != nullptr;
-        auto mQ = gmem_qkv(p.q_ptr, varlen_q ? p.total_q : p.seqlen_q, p.head_dim, p.heads, varlen_q ? 1 : p.batch,
-                           p.q_row_stride, p.q_head_stride, varlen_q ? 0 : p.q_batch_stride);
-        const int heads_k = p.heads_k, rows_k = varlen_k ? p.total_k : p.seqlen_k, batch_k = varlen_k ? 1 : p.batch;
-        auto mK = gmem_qkv(p.k_ptr, rows_k, p.head_dim, heads_k, batch_k, p.k_row_stride, p.k_head_stride,
-                           varlen_k ? 0 : p.k_batch_stride);
-        auto mV = gmem_qkv(p.v_ptr, rows_k, p.head_dim, heads_k, batch_k, p.v_row_stride, p.v_head_stride,
-                           varlen_k ? 0 : p.v_batch_stride);
-        return {p,
-                make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}),
-                make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}),
-                make_tma_copy(SM90_TMA_LOAD{}, mV, SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}),
-                WsSchedule::make(p, masked, num_sms)};
+        const TmaRowsShape q_shape = q_rows_shape(p), k_shape = k_rows_shape(p);
+        auto mQ = tma_rows_tensor<Element>(p.q_ptr, q_shape, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+        auto mK = tma_rows_tensor<Element>(p.k_ptr, k_shape, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+        auto mV = tma_rows_tensor<Element>(p.v_ptr, k_shape, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+        return {p, make_tma_rows_load<SmemLayoutQ, kBlockM, kHeadDim>(mQ),
+                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mK),
+                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mV), WsSchedule::make(p, masked, num_sms)};
     }
 
-    // What TMA needs of the global tensors: 16-byte aligned bases and strides.
     static bool supports(const AttentionParams &p) {
-        auto aligned = [](const void *ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-        constexpr int64_t kElemsPer16B = 16 / sizeof(Element);
-        for (int64_t stride : {p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.k_row_stride, p.k_head_stride,
-                               p.k_batch_stride, p.v_row_stride, p.v_head_stride, p.v_batch_stride}) {
-            if (stride % kElemsPer16B != 0) { return false; }
-        }
         // Empty inputs: a TMA descriptor cannot have a zero dimension (the other path writes them).
         const bool varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr;
-        return p.seqlen_q > 0 && p.seqlen_k > 0 && (!varlen || (p.total_q > 0 && p.total_k > 0)) && aligned(p.q_ptr) && aligned(p.k_ptr) && aligned(p.v_ptr) &&
-               p.head_dim % kElemsPer16B == 0;
+        return p.seqlen_q > 0 && p.seqlen_k > 0 && (!varlen || (p.total_q > 0 && p.total_k > 0)) &&
+               tma_loadable({p.q_ptr, p.k_ptr, p.v_ptr},
+                            {p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.k_row_stride, p.k_head_stride,
+                             p.k_batch_stride, p.v_row_stride, p.v_head_stride, p.v_batch_stride},
+                            p.head_dim, int(sizeof(Element)));
     }
 };
 
@@ -181,26 +154,21 @@ __device__ __forceinline__ void ws_store_o(const AttentionParams &params, const 
     }
 }
 
-// The two consumer warpgroups' turns at the tensor cores (Overlap): named barriers 1 and 2 (0 is
-// __syncthreads'), 256 threads each: the waiting warpgroup's 128 and the other's 128 arrivals.
-// Immediate barrier ids: a register id makes ptxas reserve all 16 named barriers.
+// The two consumer warpgroups' turns at the tensor cores (Overlap): named barriers 1 and 2, 256
+// threads each: the waiting warpgroup's 128 and the other's 128 arrivals.
 __device__ __forceinline__ void ws_wait_turn(int consumer) {
-#if FLASH_WGMMA_ARCH
     if (consumer == 0) {
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        named_barrier_sync<1, 256>();
     } else {
-        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+        named_barrier_sync<2, 256>();
     }
-#endif
 }
 __device__ __forceinline__ void ws_pass_turn(int consumer) {
-#if FLASH_WGMMA_ARCH
     if (consumer == 0) {
-        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+        named_barrier_arrive<2, 256>();
     } else {
-        asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+        named_barrier_arrive<1, 256>();
     }
-#endif
 }
 
 // Overlap: each consumer issues S of key block j + 1 together with O += P V of block j, then
@@ -264,23 +232,14 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         for_each_block([&](const SequenceInfo &seq, int m_block, int bidh, int bidb, int item) {
             const int bidh_k = bidh / params.heads_per_head_k;
             const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);
-            const bool varlen_q = seq.q_start >= 0, varlen_k = seq.k_start >= 0;
-            Tensor mQ = args.tma_q.get_tma_tensor(make_shape(varlen_q ? params.total_q : params.seqlen_q, params.head_dim,
-                                                             params.heads, varlen_q ? 1 : params.batch));
-            const int heads_k = params.heads_k, rows_k = varlen_k ? params.total_k : params.seqlen_k;
-            Tensor mK = args.tma_k.get_tma_tensor(make_shape(rows_k, params.head_dim, heads_k, varlen_k ? 1 : params.batch));
-            Tensor mV = args.tma_v.get_tma_tensor(make_shape(rows_k, params.head_dim, heads_k, varlen_k ? 1 : params.batch));
-            // This sequence's rows: its batch entry (padded: q_start / k_start -1), or batch entry 0 from
-            // its first row (varlen).
-            auto rows_of = [](auto const &m, int first_row, int head, int batch) {
-                return domain_offset(make_coord(first_row < 0 ? 0 : first_row, _0{}),
-                                     m(_, _, head, first_row < 0 ? batch : 0));
-            };
-            Tensor gQ = local_tile(rows_of(mQ, seq.q_start, bidh, bidb), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+            Tensor mQ = args.tma_q.get_tma_tensor(q_rows_shape(params));
+            Tensor mK = args.tma_k.get_tma_tensor(k_rows_shape(params));
+            Tensor mV = args.tma_v.get_tma_tensor(k_rows_shape(params));
+            Tensor gQ = local_tile(sequence_rows(mQ, seq.q_start, bidh, bidb), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                    make_coord(m_block, _0{}));
-            Tensor gK = local_tile(rows_of(mK, seq.k_start, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+            Tensor gK = local_tile(sequence_rows(mK, seq.k_start, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                    make_coord(_, _0{}));
-            Tensor gV = local_tile(rows_of(mV, seq.k_start, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+            Tensor gV = local_tile(sequence_rows(mV, seq.k_start, bidh_k, bidb), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                    make_coord(_, _0{}));
             auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                               group_modes<0, 2>(gQ));

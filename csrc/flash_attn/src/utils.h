@@ -1,5 +1,5 @@
 // Small device helpers shared by the attention kernels: register-layout views, type conversion,
-// quad reductions, the pipelined shared-memory GEMM and the predicated tile copy.
+// quad reductions, named barriers, the pipelined shared-memory GEMM and the predicated tile copy.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -28,6 +28,17 @@ __device__ __forceinline__ void atomic_add_pair(float *gmem, float a, float b) {
     atomicAdd(gmem, a);
     atomicAdd(gmem + 1, b);
 #endif
+}
+
+// Named barrier kId (1-15; 0 is __syncthreads') of kThreads threads (whole warps): wait until all
+// have arrived, or arrive and go on. Immediate ids: a register id makes ptxas reserve all 16.
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_arrive() {
+    asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
 // The four lanes of a quad hold the same rows of an m16n8 accumulator; reduce across them.

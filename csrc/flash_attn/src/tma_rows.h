@@ -1,0 +1,69 @@
+// The query-side (q, o, dO) and key-side (k, v) tensors of the warp-specialised kernels as their TMA
+// loads see them: (rows, head dim, heads, batch entries). Varlen inputs are one batch entry of all
+// the packed rows, and a sequence's tiles are offset by its first row (rows past its end are the
+// next sequence's: the kernels mask them or do not store them).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+
+#include <cute/tensor.hpp>
+
+#include "flash.h"
+
+namespace flash {
+
+using namespace cute;
+
+using TmaRowsShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+using TmaRowsStride = cute::Stride<int64_t, _1, int64_t, int64_t>;
+
+__host__ __device__ inline TmaRowsShape q_rows_shape(const AttentionParams &p) {
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    return {varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads, varlen ? 1 : p.batch};
+}
+__host__ __device__ inline TmaRowsShape k_rows_shape(const AttentionParams &p) {
+    const bool varlen = p.cu_seqlens_k != nullptr;
+    return {varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_k, varlen ? 1 : p.batch};
+}
+
+// The global tensor of the given shape (q_rows_shape / k_rows_shape) and strides; a single batch
+// entry (varlen) has no batch stride.
+template <typename Element>
+auto tma_rows_tensor(const void *ptr, TmaRowsShape shape, int64_t row_stride, int64_t head_stride,
+                     int64_t batch_stride) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const *>(ptr)), shape,
+                       TmaRowsStride{row_stride, _1{}, head_stride, get<3>(shape) == 1 ? 0 : batch_stride});
+}
+
+// A TMA load of (kRows, kHeadDim) tiles of such a tensor into SmemLayout, and its type.
+template <typename SmemLayout, int kRows, int kHeadDim, typename GmemTensor>
+auto make_tma_rows_load(GmemTensor const &gmem) {
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayout{}, Shape<Int<kRows>, Int<kHeadDim>>{}, _1{});
+}
+template <typename Element, typename SmemLayout, int kRows, int kHeadDim>
+using TmaRowsLoad = decltype(make_tma_rows_load<SmemLayout, kRows, kHeadDim>(
+    tma_rows_tensor<Element>(nullptr, TmaRowsShape{}, 0, 0, 0)));
+
+// One head's (rows, head dim) view of a sequence in a tensor from get_tma_tensor: its batch entry
+// (padded inputs: first_row < 0), or the packed rows from first_row (varlen).
+template <typename TmaTensor>
+__device__ __forceinline__ auto sequence_rows(TmaTensor const &m, int first_row, int head, int batch) {
+    return domain_offset(make_coord(first_row < 0 ? 0 : first_row, _0{}), m(_, _, head, first_row < 0 ? batch : 0));
+}
+
+// Whether TMA can load these tensors: 16-byte aligned bases and strides (in elements of
+// elem_bytes), and the head dim a whole number of 16-byte chunks.
+inline bool tma_loadable(std::initializer_list<const void *> ptrs, std::initializer_list<int64_t> strides,
+                         int head_dim, int elem_bytes) {
+    const int64_t elems_per_16b = 16 / elem_bytes;
+    for (const void *ptr : ptrs) {
+        if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) { return false; }
+    }
+    for (int64_t stride : strides) {
+        if (stride % elems_per_16b != 0) { return false; }
+    }
+    return head_dim % elems_per_16b == 0;
+}
+
+}  // namespace flash
