@@ -8,6 +8,9 @@
 // - the same for the Hopper (wgmma) accumulators where those paths apply, the forward's P read as
 //   wgmma's register A operand element for element, and the wgmma views of the shared-memory tiles
 //   (address-swizzled) landing on the very bytes the mma.sync path uses;
+// - the warp-specialised backward's S^T tile: its (query, key) view for the score modifications,
+//   P^T and dS^T read as the register A operands of dV and dK element for element, and its pairs of
+//   shared-memory views (written one way, read transposed) on the same bytes;
 // - Philox4x32-10 against the Random123 known-answer vectors.
 // Prints "OK" and exits 0, or prints the first mismatch and exits 1.
 #include <algorithm>
@@ -18,6 +21,7 @@
 #include <cute/tensor.hpp>
 
 #include "flash_bwd_kernel.h"
+#include "flash_bwd_ws_kernel.h"
 #include "kernel_traits.h"
 #include "philox.h"
 #include "tile_sizes.h"
@@ -219,6 +223,55 @@ void check_wgmma(int head_dim) {
     }
 }
 
+// Two wgmma views (swizzles of byte addresses) of one tile, A indexed (row, col) and B (col, row),
+// address the same byte for every element.
+template <typename Element, typename ViewA, typename ViewB, int kRows, int kCols>
+void check_transposed_views(const char *name) {
+    ViewA a;
+    ViewB b;
+    for (int r = 0; r < kRows; ++r) {
+        for (int c = 0; c < kCols; ++c) {
+            const int a_byte = int(a.layout_a()(int(a.layout_b()(r, c)) * int(sizeof(Element))));
+            const int b_byte = int(b.layout_a()(int(b.layout_b()(c, r)) * int(sizeof(Element))));
+            EXPECT(a_byte == b_byte, "%s: (%d, %d) at byte %d, transposed view at %d", name, r, c, a_byte, b_byte);
+        }
+    }
+}
+
+// The warp-specialised backward (keys as the M dimension of S^T and dP^T).
+template <int kHeadDim>
+void check_backward_ws() {
+    using Element = cutlass::bfloat16_t;
+    using Ws = flash::BackwardWs<kHeadDim, Element>;
+    constexpr int kM = Ws::kBlockM, kN = Ws::kBlockN, kThreads = Ws::kConsumerThreads;
+    char name[64];
+    std::snprintf(name, sizeof(name), "backward ws hdim%d", kHeadDim);
+    check_score_tile<typename Ws::TiledMmaSdP, kN, kM>(name, kThreads, false);
+    for (int tid = 0; tid < kThreads; ++tid) {  // the kernel's (query, key) view of S^T's registers
+        auto thr = typename Ws::TiledMmaSdP{}.get_thread_slice(tid);
+        Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<kN>, Int<kM>>{}));
+        Tensor qk = thr.partition_C(
+            make_coord_tensor(make_layout(Shape<Int<kN>, Int<kM>>{}, make_stride(E<1>{}, E<0>{}))));
+        Tensor rc = make_tensor(c.data(), flash::acc_as_rowcol(c.layout()));
+        Tensor view = flash::transposed_rowcol(qk);
+        for (int r = 0; r < int(size<0>(view)); ++r) {
+            for (int col = 0; col < int(size<1>(view)); ++col) {
+                EXPECT(get<0>(view(r, col)) == get<1>(rc(col, r)) && get<1>(view(r, col)) == get<0>(rc(col, r)),
+                       "%s: tid %d (query, key) view (%d, %d) holds (%d, %d), S^T has (%d, %d)", name, tid, r, col,
+                       int(get<0>(view(r, col))), int(get<1>(view(r, col))), int(get<0>(rc(col, r))),
+                       int(get<1>(rc(col, r))));
+            }
+        }
+    }
+    check_p_as_a_operand<typename Ws::TiledMmaSdP, typename Ws::TiledMmadKV, kN, kM>(name, kThreads);
+    check_column_pairs<typename Ws::TiledMmadKV, kN, kHeadDim>(name, kThreads);
+    check_column_pairs<typename Ws::TiledMmadQ, kM, kHeadDim>(name, kThreads);
+    check_dq_accum_order<typename Ws::TiledMmadQ, kM, kHeadDim>(name, kThreads, 2);
+    check_transposed_views<Element, typename Ws::SmemLayoutdSt, typename Ws::SmemLayoutdS, kN, kM>(name);
+    check_transposed_views<Element, typename Ws::SmemLayoutQdO, typename Ws::SmemLayoutQdOt, kM, kHeadDim>(name);
+    check_transposed_views<Element, typename Ws::SmemLayoutKV, typename Ws::SmemLayoutKt, kN, kHeadDim>(name);
+}
+
 // The decode tile (64 query rows, one warpgroup) on both MMA paths.
 template <int kHeadDim>
 void check_decode_tile() {
@@ -298,6 +351,8 @@ int main() {
     check_head_dim<192>();
     check_head_dim<224>();
     check_head_dim<256>();
+    check_backward_ws<64>();
+    check_backward_ws<128>();
     if (failures) {
         std::printf("FAILED: %d mismatches\n", failures);
         return 1;

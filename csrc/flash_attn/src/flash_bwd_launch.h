@@ -3,15 +3,48 @@
 // x dropout x mask).
 #pragma once
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "cuda_check.h"
 #include "flash.h"
 #include "flash_bwd_kernel.h"
+#include "flash_bwd_ws_kernel.h"
 #include "kernel_traits.h"
 #include "tile_sizes.h"
 
 namespace flash {
 
 constexpr int kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the kernel strides past it
+
+// The warp-specialised sm90 backward (flash_bwd_ws_kernel.h) for the calls it covers, with
+// FLASH_ATTN_SM90_WS_BWD=1 (read once per process; else, and for everything it does not cover, the
+// key-block kernel runs). Returns whether it ran.
+template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
+bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
+    if constexpr (Is_dropout || (kHeadDim != 64 && kHeadDim != 128)) {
+        return false;
+    } else {
+        static const bool enabled = [] {
+            const char *flag = std::getenv("FLASH_ATTN_SM90_WS_BWD");
+            int device = 0, major = 0;
+            cudaGetDevice(&device);
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+            return major == 9 && flag != nullptr && flag[0] == '1' && flag[1] == '\0';
+        }();
+        using Ws = BackwardWs<kHeadDim, Element>;
+        if (!enabled || params.softcap > 0.f || params.deterministic || !Ws::supports(params)) { return false; }
+        auto kernel = &flash_bwd_ws_kernel<Ws, Is_masked>;
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
+                   "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised backward kernel");
+        const typename Ws::KernelArgs args = Ws::make_args(params);
+        const int n_blocks = ceil_div(params.seqlen_k, Ws::kBlockN);
+        const dim3 grid(unsigned(params.batch) * unsigned(params.heads), std::min(n_blocks, kMaxGridY));
+        kernel<<<grid, Ws::kThreads, Ws::kSmemSize, stream>>>(args);
+        check_cuda(cudaGetLastError(), "launch of the warp-specialised backward kernel");
+        return true;
+    }
+}
 
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
@@ -26,16 +59,18 @@ void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
         <<<unsigned((dot_threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(params, num_tokens);
     check_cuda(cudaGetLastError(), "launch of the backward's rowsum(dO * O) kernel");
 
-    constexpr int kSmemSize = Traits::kSmemSize + kSmemRowStatsSize<Traits> + kSmemDqSize<Traits>;
-    auto kernel = &flash_bwd_kernel<Traits, Is_dropout, Is_masked>;
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize),
-               "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");
-    const int n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
-    if (n_blocks > 0) {  // no keys at all: dq_accum stays zero (see above), so dq comes out zero
-        const int key_splits = params.deterministic ? params.num_splits : std::min(n_blocks, kMaxGridY);
-        const dim3 grid(unsigned(params.batch) * unsigned(params.heads), key_splits);
-        kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
-        check_cuda(cudaGetLastError(), "launch of the backward kernel");
+    if (!launch_bwd_ws<Element, kHeadDim, Is_dropout, Is_masked>(params, stream)) {
+        constexpr int kSmemSize = Traits::kSmemSize + kSmemRowStatsSize<Traits> + kSmemDqSize<Traits>;
+        auto kernel = &flash_bwd_kernel<Traits, Is_dropout, Is_masked>;
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSize),
+                   "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");
+        const int n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
+        if (n_blocks > 0) {  // no keys at all: dq_accum stays zero (see above), so dq comes out zero
+            const int key_splits = params.deterministic ? params.num_splits : std::min(n_blocks, kMaxGridY);
+            const dim3 grid(unsigned(params.batch) * unsigned(params.heads), key_splits);
+            kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
+            check_cuda(cudaGetLastError(), "launch of the backward kernel");
+        }
     }
 
     const int64_t convert_threads = int64_t(num_tokens) * params.heads * (params.head_dim / 8);

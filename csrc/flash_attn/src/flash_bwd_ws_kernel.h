@@ -1,0 +1,413 @@
+// The sm90 backward with warp specialisation (flash_bwd_launch.h: opt-in, FLASH_ATTN_SM90_WS_BWD=1).
+// A CTA owns one key block of kBlockN keys (K and V stay in shared memory, dK and dV in registers)
+// and walks the query blocks that see it (block_range.h). Three roles:
+//  - the producer warp (warp 0) loads K and V once, and each query block's Q and dO with TMA into a
+//    kStages ring, with the rows' log-sum-exp and softmax_d beside them (mbarriers);
+//  - the dQ warp (warp 1) adds each finished dQ tile from shared memory into dq_accum with one bulk
+//    reduction, while the consumers go on;
+//  - two consumer warpgroups, each owning 64 of the keys, compute S^T = K Q^T and dP^T = V dO^T on
+//    wgmma. With keys as the M dimension, P^T and dS^T come out in registers exactly as the A
+//    operands of dV += P^T dO and dK += dS^T Q: only dS goes through shared memory, for
+//    dQ = dS K, which the two warpgroups split.
+// The producer warpgroup gives its registers to the consumers (setmaxnreg).
+//
+// Scope: head dims 64 and 128, padded and varlen inputs, causal / window, ALiBi, GQA/MQA. Not
+// dropout or softcap, and not the deterministic mode: those take flash_bwd_kernel.h.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "block_range.h"
+#include "bwd_epilogue.h"
+#include "flash.h"
+#include "score_mods.h"
+#include "sequence_info.h"
+#include "tma_rows.h"
+#include "utils.h"
+#include "wgmma.h"
+
+namespace flash {
+
+using namespace cute;
+
+template <int kHeadDim_, typename Element_>
+struct BackwardWs {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    // 64 query rows: at d128 the dK and dV accumulators leave room for no more, and at d64 128 rows
+    // spilled (S^T and dP^T of 64 fp32 registers each beside the P^T being converted).
+    static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+    static constexpr int kConsumerThreads = 256, kThreads = 128 + kConsumerThreads;
+    static_assert(kHeadDim == 64 || kHeadDim == 128);
+
+    // S^T and dP^T (kBlockN x kBlockM): warpgroup w owns keys [64 w, 64 w + 64).
+    using TiledMmaSdP = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+        Layout<Shape<_2, _1, _1>>{}));
+    // dV += P^T dO and dK += dS^T Q (kBlockN x head dim): the same keys, A from registers.
+    using TiledMmadKV = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                             GMMA::Major::MN>(),
+        Layout<Shape<_2, _1, _1>>{}));
+    // dQ = dS K (kBlockM x head dim): the warpgroups split the head dim.
+    using TiledMmadQ = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, _16>, GMMA::Major::MN,
+                             GMMA::Major::MN>(),
+        Layout<Shape<_1, _2, _1>>{}));
+
+    using SmemLayoutKV = SmemKMajor<Element, kBlockN, kHeadDim>;      // K, V: A of S^T, dP^T
+    using SmemLayoutKt = SmemColsMajor<Element, kBlockN, kHeadDim>;   // K: B of dQ
+    using SmemLayoutQdO = SmemKMajor<Element, kBlockM, kHeadDim>;     // Q, dO (a stage): B of S^T, dP^T
+    using SmemLayoutQdOt = SmemColsMajor<Element, kBlockM, kHeadDim>; // the same bytes: B of dK, dV
+    using SmemLayoutdSt = SmemKMajor<Element, kBlockN, kBlockM>;      // dS^T as the consumers write it
+    using SmemLayoutdS = SmemColsMajor<Element, kBlockN, kBlockM>;    // the same bytes: A of dQ
+    static constexpr int kQdOElems = kBlockM * kHeadDim, kdSElems = kBlockN * kBlockM;
+
+    struct SharedStorage {
+        alignas(1024) cute::array_aligned<Element, kBlockN * kHeadDim> k;
+        alignas(1024) cute::array_aligned<Element, kBlockN * kHeadDim> v;
+        alignas(1024) cute::array_aligned<Element, kQdOElems * kStages> q;
+        alignas(1024) cute::array_aligned<Element, kQdOElems * kStages> dout;
+        alignas(1024) cute::array_aligned<Element, kdSElems * 2> ds;  // double-buffered: see the consumers
+        alignas(1024) cute::array_aligned<float, kBlockM * kHeadDim> dq;
+        alignas(16) float lse_log2[kStages][kBlockM];  // the forward's lse * log2(e), +inf past the sequence
+        alignas(16) float softmax_d[kStages][kBlockM];
+        alignas(16) cutlass::arch::ClusterTransactionBarrier full[kStages];  // Q, dO, lse, d of a stage landed
+        alignas(16) cutlass::arch::ClusterBarrier empty[kStages];            // the consumers are done with it
+        alignas(16) cutlass::arch::ClusterTransactionBarrier kv_full;
+        alignas(16) cutlass::arch::ClusterBarrier kv_empty;
+    };
+    static constexpr int kSmemSize = int(sizeof(SharedStorage));
+    static_assert(kSmemSize <= 227 * 1024, "one CTA per SM: the H100/H200 shared memory per block");
+    static constexpr uint32_t kBytesQdO = kQdOElems * sizeof(Element);
+    static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+    static constexpr int kDqBytes = kBlockM * kHeadDim * int(sizeof(float));
+
+    // Named barriers (0 is __syncthreads'): dS of both consumer warpgroups in shared memory; the dQ
+    // tile written (consumers arrive, the dQ warp waits) and read (the other way round).
+    static constexpr int kBarrierdS = 1, kBarrierDqFull = 2, kBarrierDqEmpty = 3;
+    static constexpr int kDqBarrierThreads = kConsumerThreads + 32;
+
+    using TmaQdO = TmaRowsLoad<Element, SmemLayoutQdO, kBlockM, kHeadDim>;
+    using TmaKV = TmaRowsLoad<Element, SmemLayoutKV, kBlockN, kHeadDim>;
+
+    struct KernelArgs {
+        AttentionParams params;
+        TmaQdO tma_q, tma_do;
+        TmaKV tma_k, tma_v;
+    };
+
+    static KernelArgs make_args(const AttentionParams &p) {
+        const TmaRowsShape q_shape = q_rows_shape(p), k_shape = k_rows_shape(p);
+        auto mQ = tma_rows_tensor<Element>(p.q_ptr, q_shape, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+        auto mdO = tma_rows_tensor<Element>(p.do_ptr, q_shape, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
+        auto mK = tma_rows_tensor<Element>(p.k_ptr, k_shape, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+        auto mV = tma_rows_tensor<Element>(p.v_ptr, k_shape, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+        return {p, make_tma_rows_load<SmemLayoutQdO, kBlockM, kHeadDim>(mQ),
+                make_tma_rows_load<SmemLayoutQdO, kBlockM, kHeadDim>(mdO),
+                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mK),
+                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mV)};
+    }
+
+    static bool supports(const AttentionParams &p) {
+        // Empty inputs: a TMA descriptor cannot have a zero dimension (the other path handles them).
+        const bool varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr;
+        return p.seqlen_q > 0 && p.seqlen_k > 0 && (!varlen || (p.total_q > 0 && p.total_k > 0)) &&
+               tma_loadable({p.q_ptr, p.k_ptr, p.v_ptr, p.do_ptr},
+                            {p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.k_row_stride, p.k_head_stride,
+                             p.k_batch_stride, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
+                             p.do_row_stride, p.do_head_stride, p.do_batch_stride},
+                            p.head_dim, int(sizeof(Element)));
+    }
+};
+
+// A register tensor of wgmma accumulators seen as (cols, rows): S^T's elements indexed (query, key)
+// as the score modifications index S.
+template <typename Tensor>
+CUTE_HOST_DEVICE auto transposed_rowcol(Tensor &&t) {
+    auto rc = acc_as_rowcol(t.layout());
+    return make_tensor(t.data(), make_layout(get<1>(rc), get<0>(rc)));
+}
+
+// grid (batch x heads, key blocks): a CTA walks key blocks blockIdx.y, + gridDim.y, ... (one unless
+// past 65535 blocks); heads vary fastest, key blocks slowest, so that every head's heavy causal key
+// blocks start before any light one.
+template <typename Ws, bool Is_masked>
+__global__ void __launch_bounds__(Ws::kThreads, 1)
+flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
+#if FLASH_WGMMA_ARCH
+    using Element = typename Ws::Element;
+    constexpr int kBlockM = Ws::kBlockM, kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim, kStages = Ws::kStages;
+    constexpr float kLog2e = 1.4426950408889634f;
+    const AttentionParams &params = args.params;
+
+    extern __shared__ __align__(1024) char smem_raw[];
+    auto &storage = *reinterpret_cast<typename Ws::SharedStorage *>(smem_raw);
+
+    const int warpgroup = threadIdx.x / 128;
+    const int bidb = int(blockIdx.x) / params.heads, bidh = int(blockIdx.x) % params.heads;
+    const SequenceInfo seq(params, bidb);
+    const int n_blocks = ceil_div(seq.seqlen_k, kBlockN);
+
+    if (threadIdx.x == 0) {
+        for (int stage = 0; stage < kStages; ++stage) {
+            storage.full[stage].init(32);  // every producer lane, after its lse / d stores
+            storage.empty[stage].init(Ws::kConsumerThreads);
+        }
+        storage.kv_full.init(1);
+        storage.kv_empty.init(Ws::kConsumerThreads);
+        cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();  // barriers initialised before anyone waits on them
+
+    // Every role walks the same key blocks and their query blocks. `iter` counts the CTA's query
+    // blocks before this key block (the ring's stages and phases), `kv_iter` its key blocks that
+    // have any (K and V's phases).
+    auto for_each_key_block = [&](auto &&body) {
+        int iter = 0, kv_iter = 0;
+        for (int n_block = blockIdx.y; n_block < n_blocks; n_block += gridDim.y) {
+            const auto range = QueryBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, n_block);
+            body(n_block, range, iter, kv_iter);
+            if (!range.empty()) {
+                iter += range.m_block_max - range.m_block_min;
+                ++kv_iter;
+            }
+        }
+    };
+    // dq_accum rows of this sequence and head (split 0: not the deterministic mode).
+    const int64_t dq_row0 = seq.q_start >= 0 ? seq.q_start : int64_t(bidb) * params.seqlen_q_rounded;
+    float *dq_accum = params.dq_accum_ptr + int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * kHeadDim;
+
+    if (warpgroup == 0) {
+        cutlass::arch::warpgroup_reg_dealloc<24>();
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        if (warp == 0) {  // producer
+            using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
+            const int bidh_k = bidh / params.heads_per_head_k;
+            Tensor mQ = args.tma_q.get_tma_tensor(q_rows_shape(params));
+            Tensor mdO = args.tma_do.get_tma_tensor(q_rows_shape(params));
+            Tensor mK = args.tma_k.get_tma_tensor(k_rows_shape(params));
+            Tensor mV = args.tma_v.get_tma_tensor(k_rows_shape(params));
+            auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+            auto tile_k = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+            Tensor gQ = local_tile(sequence_rows(mQ, seq.q_start, bidh, bidb), tile_q, make_coord(_, _0{}));
+            Tensor gdO = local_tile(sequence_rows(mdO, seq.q_start, bidh, bidb), tile_q, make_coord(_, _0{}));
+            Tensor gK = local_tile(sequence_rows(mK, seq.k_start, bidh_k, bidb), tile_k, make_coord(_, _0{}));
+            Tensor gV = local_tile(sequence_rows(mV, seq.k_start, bidh_k, bidb), tile_k, make_coord(_, _0{}));
+            auto stages = [](Element *ptr) {
+                using Layout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                      Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+                return make_tensor(make_smem_ptr(ptr), Layout{});
+            };
+            Tensor sQ = stages(storage.q.data()), sdO = stages(storage.dout.data());
+            Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Ws::SmemLayoutKV{});
+            Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Ws::SmemLayoutKV{});
+            auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                              group_modes<0, 2>(gQ));
+            auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                                  group_modes<0, 2>(gdO));
+            auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                              group_modes<0, 2>(gK));
+            auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                              group_modes<0, 2>(gV));
+            for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
+                if (range.empty()) { return; }
+                if (lane == 0) {  // K and V's buffers are free once the last key block's consumers are done
+                    if (kv_iter > 0) { storage.kv_empty.wait((kv_iter - 1) % 2); }
+                    storage.kv_full.arrive_and_expect_tx(2 * Ws::kBytesKV);
+                    auto &barrier = reinterpret_cast<BarrierType &>(storage.kv_full);
+                    copy(args.tma_k.with(barrier, 0), tKgK(_, n_block), tKsK);
+                    copy(args.tma_v.with(barrier, 0), tVgV(_, n_block), tVsV);
+                }
+                for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block, ++iter) {
+                    const int stage = iter % kStages;
+                    if (iter >= kStages) { storage.empty[stage].wait((iter / kStages - 1) % 2); }
+                    if (lane == 0) {
+                        storage.full[stage].expect_transaction(2 * Ws::kBytesQdO);
+                        auto &barrier = reinterpret_cast<BarrierType &>(storage.full[stage]);
+                        copy(args.tma_q.with(barrier, 0), tQgQ(_, m_block), tQsQ(_, stage));
+                        copy(args.tma_do.with(barrier, 0), tdOgdO(_, m_block), tdOsdO(_, stage));
+                    }
+                    for (int i = lane; i < kBlockM; i += 32) {
+                        const int row = m_block * kBlockM + i;
+                        const bool valid = row < seq.seqlen_q;
+                        const int64_t idx = valid ? lse_index(params, seq, bidb, bidh, row) : 0;
+                        storage.lse_log2[stage][i] = valid ? params.softmax_lse_ptr[idx] * kLog2e : INFINITY;
+                        storage.softmax_d[stage][i] = valid ? params.softmax_d_ptr[idx] : 0.f;
+                    }
+                    storage.full[stage].arrive();  // release: the stores above are seen by the waiters
+                }
+            });
+        } else if (warp == 1) {  // dQ: shared memory -> dq_accum, one bulk reduction per tile
+            for_each_key_block([&](int, auto const &range, int, int) {
+                for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block) {
+                    named_barrier_sync<Ws::kBarrierDqFull, Ws::kDqBarrierThreads>();
+                    if (lane == 0) {
+                        bulk_add_to_global(dq_accum + int64_t(m_block) * kBlockM * kHeadDim, storage.dq.data(),
+                                           Ws::kDqBytes);
+                        bulk_wait_source_read();
+                    }
+                    __syncwarp();
+                    named_barrier_arrive<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>();
+                }
+            });
+            if (lane == 0) { bulk_wait_done(); }  // the additions land before the CTA goes
+        }
+        return;
+    }
+
+    // Consumers: threads 128..383, as threads 0..255 of the two-warpgroup MMAs.
+    cutlass::arch::warpgroup_reg_alloc<240>();
+    const unsigned ctid = threadIdx.x - 128;
+    typename Ws::TiledMmaSdP tiled_mma_sdp;
+    typename Ws::TiledMmadKV tiled_mma_dkv;
+    typename Ws::TiledMmadQ tiled_mma_dq;
+    auto thr_sdp = tiled_mma_sdp.get_thread_slice(ctid);
+    auto thr_dkv = tiled_mma_dkv.get_thread_slice(ctid);
+    auto thr_dq = tiled_mma_dq.get_thread_slice(ctid);
+    Tensor tSrK = thr_sdp.partition_fragment_A(smem_view(storage.k.data(), typename Ws::SmemLayoutKV{}));
+    Tensor tSrV = thr_sdp.partition_fragment_A(smem_view(storage.v.data(), typename Ws::SmemLayoutKV{}));
+    Tensor tdQrK = thr_dq.partition_fragment_B(smem_view(storage.k.data(), typename Ws::SmemLayoutKt{}));
+    auto stage_of = [](auto &buffer, int stage, int elems) { return buffer.data() + stage * elems; };
+    auto tSrQ = [&](int stage) {
+        return thr_sdp.partition_fragment_B(
+            smem_view(stage_of(storage.q, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdO{}));
+    };
+    auto tSrdO = [&](int stage) {
+        return thr_sdp.partition_fragment_B(
+            smem_view(stage_of(storage.dout, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdO{}));
+    };
+    auto tdKrQ = [&](int stage) {
+        return thr_dkv.partition_fragment_B(
+            smem_view(stage_of(storage.q, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdOt{}));
+    };
+    auto tdVrdO = [&](int stage) {
+        return thr_dkv.partition_fragment_B(
+            smem_view(stage_of(storage.dout, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdOt{}));
+    };
+    auto tdQrdS = [&](int buf) {
+        return thr_dq.partition_fragment_A(
+            smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdS{}));
+    };
+    // dS^T: registers -> shared memory, two adjacent queries per store.
+    auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
+                                          tiled_mma_sdp);
+    auto thr_copy_ds = smem_copy_ds.get_thread_slice(ctid);
+    auto tdSsdS = [&](int buf) {
+        return thr_copy_ds.partition_D(
+            smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{}));
+    };
+
+    // Each S^T element's (key, query) in the tile, and the same elements as (query, key) for the
+    // score modifications (which index S).
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));  // (keys, queries)
+    Tensor tScS_qk = thr_sdp.partition_C(
+        make_coord_tensor(make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, make_stride(E<1>{}, E<0>{}))));
+    Tensor coords_qk = transposed_rowcol(tScS_qk);  // (queries, keys) of (query, key)
+
+    const ScoreMods score_mods = ScoreMods::make(params, seq, bidb, bidh);
+    int dq_tiles = 0;  // dQ tiles this CTA's consumers have handed to the dQ warp
+
+    for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
+        Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+        Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+        clear(acc_dk);
+        clear(acc_dv);
+        if (!range.empty()) {
+            storage.kv_full.wait(kv_iter % 2);
+            for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block, ++iter) {
+                const int stage = iter % kStages, ds_buf = iter % 2;
+                storage.full[stage].wait((iter / kStages) % 2);
+
+                // S^T = K Q^T and dP^T = V dO^T, both issued before the element-wise work so that
+                // dP^T runs on beside the exponentials.
+                Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+                Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+                wgmma_gemm<true>(tiled_mma_sdp, tSrK, tSrQ(stage), acc_s);
+                wgmma_gemm<true>(tiled_mma_sdp, tSrV, tSrdO(stage), acc_dp);
+                warpgroup_wait<1>();
+                warpgroup_fence_operand(acc_s);
+
+                // The forward's score modifications, then P^T = exp(S^T - lse) (columns are queries).
+                Tensor scores_qk = transposed_rowcol(acc_s);
+                score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores_qk, coords_qk, m_block, n_block, [] {});
+                Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));  // (keys, queries)
+                CUTE_UNROLL
+                for (int c = 0; c < size<1>(scores); ++c) {
+                    const float lse_log2 = storage.lse_log2[stage][get<1>(tScS_rc(0, c))];
+                    CUTE_UNROLL
+                    for (int r = 0; r < size<0>(scores); ++r) {
+                        scores(r, c) = exp2f(scores(r, c) * params.score_scale_log2 - lse_log2);
+                    }
+                }
+                warpgroup_wait<0>();
+                warpgroup_fence_operand(acc_dp);
+
+                // dS^T = P^T (dP^T - softmax_d) in place of dP^T, then dV += P^T dO (P^T's fp32
+                // registers die first: this order keeps the d64 tile from spilling).
+                Tensor dp = make_tensor(acc_dp.data(), acc_as_rowcol(acc_dp.layout()));
+                CUTE_UNROLL
+                for (int c = 0; c < size<1>(dp); ++c) {
+                    const float row_d = storage.softmax_d[stage][get<1>(tScS_rc(0, c))];
+                    CUTE_UNROLL
+                    for (int r = 0; r < size<0>(dp); ++r) { dp(r, c) = scores(r, c) * (dp(r, c) - row_d); }
+                }
+                Tensor rP = convert_type<Element>(acc_s);
+                Tensor tdVrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
+                wgmma_gemm<false, true>(tiled_mma_dkv, tdVrP, tdVrdO(stage), acc_dv);
+                Tensor rdS = convert_type<Element>(acc_dp);
+
+                // dS to shared memory for dQ = dS K, which needs both warpgroups' keys. The buffers
+                // alternate: a warpgroup writes block i + 1's while the other may still read block
+                // i's, and cannot reach block i + 2 before the other has passed this barrier at i + 1.
+                cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rdS), tdSsdS(ds_buf));
+                fence_smem_for_wgmma();
+                named_barrier_sync<Ws::kBarrierdS, Ws::kConsumerThreads>();
+                Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+                wgmma_gemm<true>(tiled_mma_dq, tdQrdS(ds_buf), tdQrK, acc_dq);
+                Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_operand(rdS.layout()));
+                wgmma_gemm<false, true>(tiled_mma_dkv, tdKrdS, tdKrQ(stage), acc_dk);
+                warpgroup_wait<1>();  // dV and dQ landed; dK may still run
+                warpgroup_fence_operand(acc_dq);
+                warpgroup_fence_operand(rP);  // P^T's registers were read by dV until here
+
+                // dQ to shared memory in dq_accum's byte order, for the dQ warp's bulk reduction.
+                if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
+                stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, ctid, storage.dq.data(),
+                                                  dq_row0 + int64_t(m_block) * kBlockM);
+                fence_smem_for_wgmma();  // the bulk reduction reads through the async proxy
+                named_barrier_arrive<Ws::kBarrierDqFull, Ws::kDqBarrierThreads>();
+                ++dq_tiles;
+
+                warpgroup_wait<0>();
+                warpgroup_fence_operand(acc_dk);
+                warpgroup_fence_operand(acc_dv);
+                warpgroup_fence_operand(rdS);  // dS^T's registers were read by dK until here
+                storage.empty[stage].arrive();
+            }
+            storage.kv_empty.arrive();
+        }
+
+        const int kv_rows = seq.seqlen_k - n_block * kBlockN;
+        auto key_block_offset = [&](int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+            return seq.k_offset(batch_stride, row_stride) + int64_t(n_block) * kBlockN * row_stride +
+                   int64_t(bidh) * head_stride;
+        };
+        const int64_t dk_row0 = key_block_offset(params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride);
+        const int64_t dv_row0 = key_block_offset(params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, ctid, params.dk_ptr, dk_row0,
+                                              params.dk_row_stride, kv_rows, params.head_dim, params.softmax_scale);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, ctid, params.dv_ptr, dv_row0,
+                                              params.dv_row_stride, kv_rows, params.head_dim, 1.f);
+    });
+    // The dQ warp's last release: every arrival at a named barrier is waited for.
+    if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
+#else
+    __trap();  // only sm_90a images reach here; never leave the gradients unwritten
+#endif
+}
+
+}  // namespace flash

@@ -1,0 +1,103 @@
+"""The warp-specialised sm90 backward (FLASH_ATTN_SM90_WS_BWD=1; the binding reads the flag once per
+process, so the cases run in child processes): flash-attn's error rule on dq, dk, dv against the
+fp32 reference (test_flash_attn_backward's _run_and_check and test_backward_varlen) for every
+head layout and score modifier it covers, padded and varlen, a batch with more CTAs than SMs; proof
+that the flag changes the kernel where it covers the call (gradients differ from the default
+kernel's in the last bits somewhere; bitwise equal everywhere would mean it never ran) and leaves
+the rest to the default kernel (softcap, dropout, deterministic: bitwise equal).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+
+CHILD = textwrap.dedent("""
+    import itertools, sys
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    from test_flash_attn_backward import _run_and_check, test_backward_varlen
+    from flash_attn import flash_attn_func
+
+    check = sys.argv[3] == "check"
+    cases = varlen = batch16 = 0
+    for d, dtype, mha_type, (causal, local), alibi, (sq, sk) in itertools.product(
+            (64, 128), (torch.bfloat16, torch.float16), ("mha", "gqa", "mqa"),
+            ((False, False), (True, False), (False, True), (True, True)), (False, True),
+            ((113, 203), (256, 97), (1025, 1024), (1, 239))):
+        if not check:
+            break
+        torch.manual_seed(sq + 7 * sk + d)
+        _run_and_check(2, sq, sk, d, dtype, mha_type, causal, local, alibi, 0.0, 0.0)
+        cases += 1
+    for d, mha_type, (causal, local), mode, (sq, sk) in itertools.product(
+            (64, 128), ("mha", "gqa"), ((False, False), (True, False), (False, True)),
+            ("random", "zero_lengths"), ((97, 203), (1024, 1024))):
+        if not check:
+            break
+        test_backward_varlen(sq, sk, d, torch.bfloat16, mha_type, causal, local, 0.0, mode)
+        varlen += 1
+    # More CTAs than SMs (batch 16 x 6 heads x 8 key blocks), causal ones of unequal work.
+    for d, causal in itertools.product((64, 128), (False, True)):
+        if not check:
+            break
+        torch.manual_seed(d + causal)
+        _run_and_check(16, 1025, 1024, d, torch.bfloat16, "mha", causal, False, False, 0.0, 0.0)
+        batch16 += 1
+
+    # Gradients of fixed inputs, for the comparison across processes: covered calls, and calls the
+    # flag leaves to the default kernel (softcap, dropout, deterministic).
+    grads = {}
+    for d, causal, (sq, sk), extra in itertools.product(
+            (64, 128), (False, True), ((113, 203), (1000, 1000), (2048, 2048)),
+            ("covered", "softcap", "dropout", "deterministic")):
+        torch.manual_seed(d + sq)
+        q, k, v = (torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for n in (sq, sk, sk))
+        kwargs = dict(causal=causal, softcap=30.0 if extra == "softcap" else 0.0,
+                      deterministic=extra == "deterministic")
+        out = flash_attn_func(q, k, v, 0.1 if extra == "dropout" else 0.0, **kwargs)
+        g = torch.randn_like(out)
+        grads[d, causal, sq, sk, extra] = [t.cpu() for t in torch.autograd.grad(out, (q, k, v), g)]
+    torch.save(grads, sys.argv[2])
+    print(f"{cases} padded, {varlen} varlen and {batch16} batch-16 cases passed")
+""")
+
+
+def _child(tmp_path, flag, check):
+    """flag: the FLASH_ATTN_SM90_WS_BWD value, or None to leave it unset; check: run the error-rule
+    cases too. Returns the child's fixed-input gradients."""
+    out_file = tmp_path / f"grads_{flag}.pt"
+    env = dict(os.environ)
+    env.pop("FLASH_ATTN_SM90_WS_BWD", None)
+    if flag is not None:
+        env["FLASH_ATTN_SM90_WS_BWD"] = flag
+    run = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(out_file),
+                          "check" if check else "grads"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert not check or "384 padded, 48 varlen and 4 batch-16 cases passed" in run.stdout, run.stdout[-3000:]
+    return torch.load(out_file)
+
+
+@pytest.mark.gpu
+def test_ws_backward_meets_the_error_rule_and_is_a_different_kernel(tmp_path):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised backward is sm90 only")
+    ws, default = _child(tmp_path, "1", check=True), _child(tmp_path, None, check=False)
+    assert ws.keys() == default.keys()
+    for key in ws:
+        for name, ours, theirs in zip(("dq", "dk", "dv"), ws[key], default[key]):
+            if key[-1] != "covered":
+                assert torch.equal(ours, theirs), f"{key} {name}: the flag must leave this call to the default kernel"
+            else:  # both meet the error rule (above and in test_flash_attn_backward): they agree closely
+                scale = theirs.abs().max().item()
+                assert (ours.float() - theirs.float()).abs().max().item() <= 2e-2 * scale + 1e-3, (key, name)
+    assert any(not torch.equal(a, b) for key in ws if key[-1] == "covered" for a, b in zip(ws[key], default[key])), (
+        "FLASH_ATTN_SM90_WS_BWD=1 gave bitwise the default kernel's gradients: the flag did nothing")
