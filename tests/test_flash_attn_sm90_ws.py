@@ -38,6 +38,16 @@ CHILD = textwrap.dedent("""
         torch.manual_seed(sq * 7 + sk + d)
         _run_and_check(2, sq, sk, d, dtype, mha_type, causal, local, alibi, softcap, 0.0)
         cases += 1
+    # Head dims 192 and 256 (64-key blocks), which only the flag sends to this kernel.
+    wide = 0
+    for d, mha_type, (causal, local), (alibi, softcap), (sq, sk) in itertools.product(
+            (192, 256), ("mha", "gqa"), ((False, False), (True, False), (False, True), (True, True)),
+            ((False, 0.0), (True, 0.0), (False, 30.0)), ((113, 203), (1025, 1024))):
+        if sys.argv[3] != "check":
+            break
+        torch.manual_seed(sq * 7 + sk + d)
+        _run_and_check(2, sq, sk, d, torch.bfloat16, mha_type, causal, local, alibi, softcap, 0.0)
+        wide += 1
     varlen = 0
     for d, mha_type, (causal, local), (alibi, softcap), mode, (sq, sk) in itertools.product(
             (64, 128), ("mha", "gqa"), ((False, False), (True, False), (False, True)),
@@ -64,13 +74,13 @@ CHILD = textwrap.dedent("""
         packed += 1
     outs = {}
     for d, causal, (sq, sk) in itertools.product(
-            (64, 128), (False, True), ((1000, 1000), (2048, 2048), (8192, 8192), (1, 8192), (64, 8192))):
+            (64, 128, 256), (False, True), ((1000, 1000), (2048, 2048), (8192, 8192), (1, 8192), (64, 8192))):
         torch.manual_seed(d)
         q = torch.randn(1, sq, 4, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, sk, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         outs[d, causal, sq, sk] = flash_attn_func(q, k, v, causal=causal).cpu()
     torch.save(outs, sys.argv[2])
-    print(f"{cases} padded, {varlen} varlen, {persistent} batch-16 and {packed} packed cases passed")
+    print(f"{cases} padded, {wide} d192/d256, {varlen} varlen, {persistent} batch-16 and {packed} packed cases passed")
 """)
 
 
@@ -86,9 +96,10 @@ def _child(tmp_path, ws, check=True):
     # The default kernel's error rule is test_flash_attn_interface's: here only its outputs.
     run = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(out_file),
                           "check" if check else "outputs"], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert not check or "288 padded, 216 varlen, 12 batch-16 and 4 packed cases passed" in run.stdout, run.stdout[-3000:]
+    assert not check or ("288 padded, 96 d192/d256, 216 varlen, 12 batch-16 and 4 packed cases passed"
+                         in run.stdout), run.stdout[-3000:]
     return torch.load(out_file)
 
 
@@ -107,16 +118,17 @@ def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path, mod
 
 @pytest.mark.gpu
 def test_unset_flag_takes_mode_2_from_2k_keys(tmp_path):
-    """FLASH_ATTN_SM90_WS unset: the default kernel below 2K keys and where it takes the decode
-    tile (<= 64 queries, no mask), mode 2 otherwise from 2K keys (bitwise each)."""
+    """FLASH_ATTN_SM90_WS unset: the default kernel below 2K keys, where it takes the decode tile
+    (<= 64 queries, no mask) and at head dims past 128, mode 2 otherwise from 2K keys (bitwise
+    each)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward is sm90 only")
     auto, off, ws = (_child(tmp_path, flag, check=False) for flag in (None, 0, 2))
     for d, causal, sq, sk in auto:
         decode_tile = sq <= 64 and not causal
-        expected = ws if sk >= 2048 and not decode_tile else off
+        expected = ws if sk >= 2048 and not decode_tile and d <= 128 else off
         assert torch.equal(auto[d, causal, sq, sk], expected[d, causal, sq, sk]), (d, causal, sq, sk)
     # Where auto takes mode 2 the outputs tell the kernels apart. On the decode-shaped calls they do
     # not (on the H200 mode 2 and the decode tile agree bitwise there: one query block, 128-key
     # blocks both): there auto == default checks the result, not which kernel ran.
-    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[3] >= 2048 and key[2] > 64)
+    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[3] >= 2048 and key[2] > 64 and key[0] <= 128)

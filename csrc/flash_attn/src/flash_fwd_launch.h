@@ -30,19 +30,20 @@ void launch_fwd(AttentionParams &params, cudaStream_t stream) {
 }
 
 // The warp-specialised sm90 forward (flash_fwd_ws_kernel.h) for the inputs it covers (else the
-// default kernel runs): from kWsMinKeys keys, or as FLASH_ATTN_SM90_WS says.
+// default kernel runs): from kWsMinKeys keys at head dims 64 and 128, or as FLASH_ATTN_SM90_WS says.
 constexpr int kWsMinKeys = 2048;
 
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
-    if constexpr (Is_dropout || (kHeadDim != 64 && kHeadDim != 128)) {
+    if constexpr (Is_dropout || kHeadDim % 64 != 0) {
         return false;
     } else {
         // FLASH_ATTN_SM90_WS: 0 never, 1 the plain consumer loop, 2 the overlapped, ping-pong one;
         // unset, mode 2 from 2K keys (max over the batch, so plain and varlen calls of the same
-        // lengths agree): on the H200 it matched or beat the default kernel at every measured shape
-        // from 2K (at d64 s1k it lost by 1-5%), except where the default takes the decode tile (its
-        // 128 rows would be mostly empty).
+        // lengths agree) at head dims 64 and 128: on the H200 it matched or beat the default kernel
+        // at every measured shape from 2K (at d64 s1k it lost by 1-5%), except where the default
+        // takes the decode tile (its 128 rows would be mostly empty). Head dims 192 and 256 take it
+        // only with the flag set (not yet measured).
         constexpr int kAuto = -1;
         static const int mode = [] {
             const char *flag = std::getenv("FLASH_ATTN_SM90_WS");
@@ -53,8 +54,8 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
             if (flag == nullptr || flag[0] == '\0') { return kAuto; }
             return (flag[0] == '1' || flag[0] == '2') && flag[1] == '\0' ? flag[0] - '0' : 0;
         }();
-        const bool auto_takes_ws =
-            params.seqlen_k >= kWsMinKeys && !takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked);
+        const bool auto_takes_ws = kHeadDim <= 128 && params.seqlen_k >= kWsMinKeys &&
+                                   !takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked);
         const int use = mode == kAuto ? (auto_takes_ws ? 2 : 0) : mode;
         using Ws = ForwardWs<kHeadDim, Element>;
         const bool covered = (params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr) &&

@@ -11,7 +11,8 @@
 // producer loads the next unit's Q and K/V while the consumers write the last one's O.
 //
 // Scope: padded and varlen (not paged, no seqused_k / left padding) inputs, no dropout, no
-// split-KV, head dims 64 and 128. Not yet: a TMA-store epilogue.
+// split-KV, head dims 64, 128, 192 and 256 (the last two with 64-key blocks: their O accumulators
+// take 96 and 128 registers). Not yet: a TMA-store epilogue.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -36,7 +37,7 @@ using namespace cute;
 template <int kHeadDim_, typename Element_>
 struct ForwardWs {
     using Element = Element_;
-    static constexpr int kHeadDim = kHeadDim_, kBlockM = 128, kBlockN = 128, kStages = 2;
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = 128, kBlockN = kHeadDim <= 128 ? 128 : 64, kStages = 2;
     static constexpr int kConsumerThreads = 256, kThreads = 128 + kConsumerThreads;
     // The consumers' MMAs and views are those of the 8-warp forward tile (two warpgroups of 64 rows).
     using Traits = ForwardTraits<kHeadDim, kBlockM, kBlockN, 8, Element>;
