@@ -33,7 +33,7 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
             return major == 9 && flag != nullptr && flag[0] == '1' && flag[1] == '\0';
         }();
         using Ws = BackwardWs<kHeadDim, Element>;
-        if (!enabled || params.softcap > 0.f || params.deterministic || !Ws::supports(params)) { return false; }
+        if (!enabled || params.deterministic || !Ws::supports(params)) { return false; }
         auto kernel = &flash_bwd_ws_kernel<Ws, Is_masked>;
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
                    "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised backward kernel");

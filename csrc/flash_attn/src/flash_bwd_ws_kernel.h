@@ -11,8 +11,9 @@
 //    dQ = dS K, which the two warpgroups split.
 // The producer warpgroup gives its registers to the consumers (setmaxnreg).
 //
-// Scope: head dims 64 and 128, padded and varlen inputs, causal / window, ALiBi, GQA/MQA. Not
-// dropout or softcap, and not the deterministic mode: those take flash_bwd_kernel.h.
+// Scope: head dims 64 and 128, padded and varlen inputs, causal / window, ALiBi, softcap, GQA/MQA.
+// Not dropout (this tile's lanes hold other elements than the forward's, whose Philox draws the
+// mask, see dropout.h) and not the deterministic mode: those take flash_bwd_kernel.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -332,8 +333,17 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                 warpgroup_fence_operand(acc_s);
 
                 // The forward's score modifications, then P^T = exp(S^T - lse) (columns are queries).
+                // The softcap's derivative 1 - tanh^2 waits in this block's dS buffer (free: its last
+                // readers, block i - 2's dQ products, finished before either warpgroup passed the dS
+                // barrier of block i - 1); each thread reads back only what it wrote.
                 Tensor scores_qk = transposed_rowcol(acc_s);
-                score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores_qk, coords_qk, m_block, n_block, [] {});
+                score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores_qk, coords_qk, m_block, n_block, [&] {
+                    Tensor dtanh = make_tensor<float>(acc_s.layout());
+                    CUTE_UNROLL
+                    for (int i = 0; i < size(acc_s); ++i) { dtanh(i) = 1.f - acc_s(i) * acc_s(i); }
+                    Tensor rdtanh = convert_type<Element>(dtanh);
+                    cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rdtanh), tdSsdS(ds_buf));
+                });
                 Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));  // (keys, queries)
                 CUTE_UNROLL
                 for (int c = 0; c < size<1>(scores); ++c) {
@@ -346,14 +356,31 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                 warpgroup_wait<0>();
                 warpgroup_fence_operand(acc_dp);
 
-                // dS^T = P^T (dP^T - softmax_d) in place of dP^T, then dV += P^T dO (P^T's fp32
-                // registers die first: this order keeps the d64 tile from spilling).
+                // dS^T = P^T (dP^T - softmax_d) [* (1 - tanh^2)] in place of dP^T, then dV += P^T dO
+                // (P^T's fp32 registers die first: this order keeps the tile from spilling). Two
+                // copies of the loop, so that without softcap none of its instructions is issued.
                 Tensor dp = make_tensor(acc_dp.data(), acc_as_rowcol(acc_dp.layout()));
-                CUTE_UNROLL
-                for (int c = 0; c < size<1>(dp); ++c) {
-                    const float row_d = storage.softmax_d[stage][get<1>(tScS_rc(0, c))];
+                auto compute_ds = [&](auto softcap_on) {
+                    constexpr bool Has_softcap = decltype(softcap_on)::value;
+                    Tensor dtanh = make_tensor<Element>(acc_dp.layout());
+                    if constexpr (Has_softcap) {
+                        cute::copy(smem_copy_ds, tdSsdS(ds_buf), thr_copy_ds.retile_D(dtanh));
+                    }
+                    Tensor dtanh_rc = make_tensor(dtanh.data(), acc_as_rowcol(dtanh.layout()));
                     CUTE_UNROLL
-                    for (int r = 0; r < size<0>(dp); ++r) { dp(r, c) = scores(r, c) * (dp(r, c) - row_d); }
+                    for (int c = 0; c < size<1>(dp); ++c) {
+                        const float row_d = storage.softmax_d[stage][get<1>(tScS_rc(0, c))];
+                        CUTE_UNROLL
+                        for (int r = 0; r < size<0>(dp); ++r) {
+                            dp(r, c) = scores(r, c) * (dp(r, c) - row_d);
+                            if constexpr (Has_softcap) { dp(r, c) *= float(dtanh_rc(r, c)); }
+                        }
+                    }
+                };
+                if (score_mods.has_softcap) {
+                    compute_ds(std::true_type{});
+                } else {
+                    compute_ds(std::false_type{});
                 }
                 Tensor rP = convert_type<Element>(acc_s);
                 Tensor tdVrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
