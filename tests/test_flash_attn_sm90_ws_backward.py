@@ -2,9 +2,10 @@
 process, so the cases run in child processes): flash-attn's error rule on dq, dk, dv against the
 fp32 reference (test_flash_attn_backward's _run_and_check and test_backward_varlen) for every
 head layout and score modifier it covers (masks, ALiBi, softcap), padded and varlen, a batch with
-more CTAs than SMs; proof that the flag changes the kernel where it covers the call (gradients
-differ from the default kernel's in the last bits somewhere; bitwise equal everywhere would mean it
-never ran) and leaves the rest to the default kernel (dropout, deterministic: bitwise equal).
+more CTAs than SMs, the deterministic mode bitwise repeatable; proof that the flag changes the
+kernel where it covers the call (gradients differ from the default kernel's in the last bits
+somewhere; bitwise equal everywhere would mean it never ran) and leaves dropout to the default
+kernel (bitwise equal).
 """
 
 import os
@@ -22,11 +23,12 @@ CHILD = textwrap.dedent("""
     import itertools, sys
     import torch
     sys.path.insert(0, sys.argv[1])
-    from test_flash_attn_backward import _run_and_check, test_backward_varlen
+    from test_flash_attn_backward import (_run_and_check, test_backward_varlen,
+                                          test_deterministic_backward_is_bitwise_reproducible)
     from flash_attn import flash_attn_func
 
     check = sys.argv[3] == "check"
-    cases = varlen = batch16 = 0
+    cases = varlen = batch16 = deterministic = 0
     for d, dtype, mha_type, (causal, local), (alibi, softcap), (sq, sk) in itertools.product(
             (64, 128), (torch.bfloat16, torch.float16), ("mha", "gqa", "mqa"),
             ((False, False), (True, False), (False, True), (True, True)),
@@ -50,9 +52,14 @@ CHILD = textwrap.dedent("""
         torch.manual_seed(d + causal)
         _run_and_check(16, 1025, 1024, d, torch.bfloat16, "mha", causal, False, False, 0.0, 0.0)
         batch16 += 1
+    for mha_type, varlen_input in itertools.product(("mha", "gqa"), (False, True)):
+        if not check:
+            break
+        test_deterministic_backward_is_bitwise_reproducible(mha_type, 0.0, varlen_input)
+        deterministic += 1
 
-    # Gradients of fixed inputs, for the comparison across processes: covered calls (softcap too),
-    # and calls the flag leaves to the default kernel (dropout, deterministic).
+    # Gradients of fixed inputs, for the comparison across processes: covered calls (softcap and
+    # deterministic too), and calls the flag leaves to the default kernel (dropout).
     grads = {}
     for d, causal, (sq, sk), extra in itertools.product(
             (64, 128), (False, True), ((113, 203), (1000, 1000), (2048, 2048)),
@@ -66,7 +73,7 @@ CHILD = textwrap.dedent("""
         g = torch.randn_like(out)
         grads[d, causal, sq, sk, extra] = [t.cpu() for t in torch.autograd.grad(out, (q, k, v), g)]
     torch.save(grads, sys.argv[2])
-    print(f"{cases} padded, {varlen} varlen and {batch16} batch-16 cases passed")
+    print(f"{cases} padded, {varlen} varlen, {batch16} batch-16 and {deterministic} deterministic cases passed")
 """)
 
 
@@ -82,7 +89,8 @@ def _child(tmp_path, flag, check):
                           "check" if check else "grads"], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert not check or "432 padded, 48 varlen and 4 batch-16 cases passed" in run.stdout, run.stdout[-3000:]
+    assert not check or ("432 padded, 48 varlen, 4 batch-16 and 4 deterministic cases passed"
+                         in run.stdout), run.stdout[-3000:]
     return torch.load(out_file)
 
 
@@ -94,7 +102,7 @@ def test_ws_backward_meets_the_error_rule_and_is_a_different_kernel(tmp_path):
     assert ws.keys() == default.keys()
     for key in ws:
         for name, ours, theirs in zip(("dq", "dk", "dv"), ws[key], default[key]):
-            if key[-1] in ("dropout", "deterministic"):
+            if key[-1] == "dropout":
                 assert torch.equal(ours, theirs), f"{key} {name}: the flag must leave this call to the default kernel"
             else:  # both meet the error rule (above and in test_flash_attn_backward): they agree closely
                 scale = theirs.abs().max().item()

@@ -33,13 +33,14 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
             return major == 9 && flag != nullptr && flag[0] == '1' && flag[1] == '\0';
         }();
         using Ws = BackwardWs<kHeadDim, Element>;
-        if (!enabled || params.deterministic || !Ws::supports(params)) { return false; }
+        if (!enabled || !Ws::supports(params)) { return false; }
         auto kernel = &flash_bwd_ws_kernel<Ws, Is_masked>;
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
                    "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised backward kernel");
         const typename Ws::KernelArgs args = Ws::make_args(params);
         const int n_blocks = ceil_div(params.seqlen_k, Ws::kBlockN);
-        const dim3 grid(unsigned(params.batch) * unsigned(params.heads), std::min(n_blocks, kMaxGridY));
+        const int key_splits = params.deterministic ? params.num_splits : std::min(n_blocks, kMaxGridY);
+        const dim3 grid(unsigned(params.batch) * unsigned(params.heads), key_splits);
         kernel<<<grid, Ws::kThreads, Ws::kSmemSize, stream>>>(args);
         check_cuda(cudaGetLastError(), "launch of the warp-specialised backward kernel");
         return true;

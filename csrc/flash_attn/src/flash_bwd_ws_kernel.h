@@ -11,9 +11,9 @@
 //    dQ = dS K, which the two warpgroups split.
 // The producer warpgroup gives its registers to the consumers (setmaxnreg).
 //
-// Scope: head dims 64 and 128, padded and varlen inputs, causal / window, ALiBi, softcap, GQA/MQA.
-// Not dropout (this tile's lanes hold other elements than the forward's, whose Philox draws the
-// mask, see dropout.h) and not the deterministic mode: those take flash_bwd_kernel.h.
+// Scope: head dims 64 and 128, padded and varlen inputs, causal / window, ALiBi, softcap, GQA/MQA,
+// the deterministic mode. Not dropout (this tile's lanes hold other elements than the forward's,
+// whose Philox draws the mask, see dropout.h): that takes flash_bwd_kernel.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -132,9 +132,11 @@ CUTE_HOST_DEVICE auto transposed_rowcol(Tensor &&t) {
     return make_tensor(t.data(), make_layout(get<1>(rc), get<0>(rc)));
 }
 
-// grid (batch x heads, key blocks): a CTA walks key blocks blockIdx.y, + gridDim.y, ... (one unless
-// past 65535 blocks); heads vary fastest, key blocks slowest, so that every head's heavy causal key
-// blocks start before any light one.
+// grid (batch x heads, key blocks, or num_splits when deterministic): a CTA walks key blocks
+// blockIdx.y, + gridDim.y, ... (one unless deterministic or past 65535 blocks); heads vary fastest,
+// key blocks slowest, so that every head's heavy causal key blocks start before any light one.
+// Deterministic: each CTA adds its dQ tiles into its own dq_accum split, one key block's after the
+// last one's have landed, so every element sums in a fixed order.
 template <typename Ws, bool Is_masked>
 __global__ void __launch_bounds__(Ws::kThreads, 1)
 flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
@@ -177,9 +179,11 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
             }
         }
     };
-    // dq_accum rows of this sequence and head (split 0: not the deterministic mode).
+    // dq_accum rows of this sequence and head, in this CTA's split when deterministic.
     const int64_t dq_row0 = seq.q_start >= 0 ? seq.q_start : int64_t(bidb) * params.seqlen_q_rounded;
-    float *dq_accum = params.dq_accum_ptr + int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * kHeadDim;
+    const int split = params.deterministic ? int(blockIdx.y) : 0;
+    float *dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride +
+                      int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * kHeadDim;
 
     if (warpgroup == 0) {
         cutlass::arch::warpgroup_reg_dealloc<24>();
@@ -253,8 +257,10 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                     __syncwarp();
                     named_barrier_arrive<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>();
                 }
+                // The next key block adds into the same rows: after these have landed (the
+                // deterministic order; and the additions land before the CTA goes).
+                if (lane == 0) { bulk_wait_done(); }
             });
-            if (lane == 0) { bulk_wait_done(); }  // the additions land before the CTA goes
         }
         return;
     }
