@@ -52,7 +52,10 @@ struct BackwardWs {
         GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
                              GMMA::Major::MN>(),
         Layout<Shape<_2, _1, _1>>{}));
-    // dQ = dS K (kBlockM x head dim): the warpgroups split the head dim.
+    // dQ = dS K (kBlockM x head dim): the warpgroups split the head dim. At d64 the second one's 32
+    // columns of K start 64 bytes into a 128-byte swizzled row (its descriptor's start address, as a
+    // K-major operand's k-slices do); the default kernel never reads K so (if only d64's dq is ever
+    // wrong, look here first).
     using TiledMmadQ = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, _16>, GMMA::Major::MN,
                              GMMA::Major::MN>(),
@@ -113,9 +116,14 @@ struct BackwardWs {
     }
 
     static bool supports(const AttentionParams &p) {
+        // The loads read each sequence's rows from its offset alone: no paged, cached (batch index,
+        // left padding) or partly used (seqused_k) keys, and q and k packed alike.
+        const bool plain_rows = (p.cu_seqlens_q == nullptr) == (p.cu_seqlens_k == nullptr) &&
+                                p.seqused_k == nullptr && p.leftpad_k == nullptr && p.kv_batch_idx == nullptr &&
+                                p.block_table == nullptr;
         // Empty inputs: a TMA descriptor cannot have a zero dimension (the other path handles them).
         const bool varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr;
-        return p.seqlen_q > 0 && p.seqlen_k > 0 && (!varlen || (p.total_q > 0 && p.total_k > 0)) &&
+        return plain_rows && p.seqlen_q > 0 && p.seqlen_k > 0 && (!varlen || (p.total_q > 0 && p.total_k > 0)) &&
                tma_loadable({p.q_ptr, p.k_ptr, p.v_ptr, p.do_ptr},
                             {p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.k_row_stride, p.k_head_stride,
                              p.k_batch_stride, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
