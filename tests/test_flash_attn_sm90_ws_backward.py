@@ -2,10 +2,10 @@
 process, so the cases run in child processes): flash-attn's error rule on dq, dk, dv against the
 fp32 reference (test_flash_attn_backward's _run_and_check and test_backward_varlen) for every
 head layout and score modifier it covers (masks, ALiBi, softcap), padded and varlen, a batch with
-more CTAs than SMs, the deterministic mode bitwise repeatable; proof that the flag changes the
-kernel where it covers the call (gradients differ from the default kernel's in the last bits
-somewhere; bitwise equal everywhere would mean it never ran) and leaves dropout to the default
-kernel (bitwise equal).
+more CTAs than SMs, dropout (the forward's mask redrawn on the transposed tile), the deterministic
+mode bitwise repeatable; proof that the flag changes the kernel where it covers the call (gradients
+differ from the default kernel's in the last bits somewhere; bitwise equal everywhere would mean it
+never ran) and leaves head dim 256 to the default kernel (bitwise equal).
 """
 
 import os
@@ -28,7 +28,7 @@ CHILD = textwrap.dedent("""
     from flash_attn import flash_attn_func
 
     check = sys.argv[3] == "check"
-    cases = varlen = batch16 = deterministic = 0
+    cases = dropout = varlen = batch16 = deterministic = 0
     for d, dtype, mha_type, (causal, local), (alibi, softcap), (sq, sk) in itertools.product(
             (64, 128), (torch.bfloat16, torch.float16), ("mha", "gqa", "mqa"),
             ((False, False), (True, False), (False, True), (True, True)),
@@ -38,6 +38,15 @@ CHILD = textwrap.dedent("""
         torch.manual_seed(sq + 7 * sk + d)
         _run_and_check(2, sq, sk, d, dtype, mha_type, causal, local, alibi, softcap, 0.0)
         cases += 1
+    # Dropout: the kernel redraws the forward's mask on S^T (the reference takes it from S_dmask).
+    for d, mha_type, (causal, local), (alibi, softcap), (sq, sk) in itertools.product(
+            (64, 128), ("mha", "gqa"), ((False, False), (True, False), (False, True)),
+            ((False, 0.0), (True, 0.0), (False, 30.0)), ((113, 203), (1025, 1024))):
+        if not check:
+            break
+        torch.manual_seed(sq + 3 * sk + d)
+        _run_and_check(2, sq, sk, d, torch.bfloat16, mha_type, causal, local, alibi, softcap, 0.17)
+        dropout += 1
     for d, mha_type, (causal, local), mode, (sq, sk) in itertools.product(
             (64, 128), ("mha", "gqa"), ((False, False), (True, False), (False, True)),
             ("random", "zero_lengths"), ((97, 203), (1024, 1024))):
@@ -52,18 +61,18 @@ CHILD = textwrap.dedent("""
         torch.manual_seed(d + causal)
         _run_and_check(16, 1025, 1024, d, torch.bfloat16, "mha", causal, False, False, 0.0, 0.0)
         batch16 += 1
-    for mha_type, varlen_input in itertools.product(("mha", "gqa"), (False, True)):
+    for mha_type, dropout_p, varlen_input in itertools.product(("mha", "gqa"), (0.0, 0.17), (False, True)):
         if not check:
             break
-        test_deterministic_backward_is_bitwise_reproducible(mha_type, 0.0, varlen_input)
+        test_deterministic_backward_is_bitwise_reproducible(mha_type, dropout_p, varlen_input)
         deterministic += 1
 
-    # Gradients of fixed inputs, for the comparison across processes: covered calls (softcap and
-    # deterministic too), and calls the flag leaves to the default kernel (dropout).
+    # Gradients of fixed inputs, for the comparison across processes: calls the kernel covers, and
+    # head dim 256, which the flag leaves to the default kernel.
     grads = {}
     for d, causal, (sq, sk), extra in itertools.product(
-            (64, 128), (False, True), ((113, 203), (1000, 1000), (2048, 2048)),
-            ("covered", "softcap", "dropout", "deterministic")):
+            (64, 128, 256), (False, True), ((113, 203), (1000, 1000), (2048, 2048)),
+            ("plain", "softcap", "dropout", "deterministic")):
         torch.manual_seed(d + sq)
         q, k, v = (torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for n in (sq, sk, sk))
@@ -73,7 +82,8 @@ CHILD = textwrap.dedent("""
         g = torch.randn_like(out)
         grads[d, causal, sq, sk, extra] = [t.cpu() for t in torch.autograd.grad(out, (q, k, v), g)]
     torch.save(grads, sys.argv[2])
-    print(f"{cases} padded, {varlen} varlen, {batch16} batch-16 and {deterministic} deterministic cases passed")
+    print(f"{cases} padded, {dropout} dropout, {varlen} varlen, {batch16} batch-16 and {deterministic} "
+          "deterministic cases passed")
 """)
 
 
@@ -89,7 +99,7 @@ def _child(tmp_path, flag, check):
                           "check" if check else "grads"], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert not check or ("432 padded, 48 varlen, 4 batch-16 and 4 deterministic cases passed"
+    assert not check or ("432 padded, 72 dropout, 48 varlen, 4 batch-16 and 8 deterministic cases passed"
                          in run.stdout), run.stdout[-3000:]
     return torch.load(out_file)
 
@@ -102,10 +112,10 @@ def test_ws_backward_meets_the_error_rule_and_is_a_different_kernel(tmp_path):
     assert ws.keys() == default.keys()
     for key in ws:
         for name, ours, theirs in zip(("dq", "dk", "dv"), ws[key], default[key]):
-            if key[-1] == "dropout":
+            if key[0] == 256:
                 assert torch.equal(ours, theirs), f"{key} {name}: the flag must leave this call to the default kernel"
             else:  # both meet the error rule (above and in test_flash_attn_backward): they agree closely
                 scale = theirs.abs().max().item()
                 assert (ours.float() - theirs.float()).abs().max().item() <= 2e-2 * scale + 1e-3, (key, name)
-    assert any(not torch.equal(a, b) for key in ws if key[-1] == "covered" for a, b in zip(ws[key], default[key])), (
+    assert any(not torch.equal(a, b) for key in ws if key[0] != 256 for a, b in zip(ws[key], default[key])), (
         "FLASH_ATTN_SM90_WS_BWD=1 gave bitwise the default kernel's gradients: the flag did nothing")

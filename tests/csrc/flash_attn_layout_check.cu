@@ -9,8 +9,9 @@
 //   wgmma's register A operand element for element, and the wgmma views of the shared-memory tiles
 //   (address-swizzled) landing on the very bytes the mma.sync path uses;
 // - the warp-specialised backward's S^T tile: its (query, key) view for the score modifications,
-//   P^T and dS^T read as the register A operands of dV and dK element for element, and its pairs of
-//   shared-memory views (written one way, read transposed) on the same bytes;
+//   P^T and dS^T read as the register A operands of dV and dK element for element, its pairs of
+//   shared-memory views (written one way, read transposed) on the same bytes, and its dropout mask
+//   (drawn on S^T) equal to the forward's;
 // - Philox4x32-10 against the Random123 known-answer vectors.
 // Prints "OK" and exits 0, or prints the first mismatch and exits 1.
 #include <algorithm>
@@ -238,6 +239,53 @@ void check_transposed_views(const char *name) {
     }
 }
 
+// The dropout mask drawn on an S^T tile (apply_transposed: the warp-specialised backward) equals
+// the one the forward draws on the S tile of the same queries and keys, element for element.
+template <typename TiledMmaS, int kThreadsS, typename TiledMmaSt, int kThreadsSt, int kQueries, int kKeys>
+void check_transposed_dropout(const char *name) {
+    flash::AttentionParams params;
+    params.heads = 3;
+    params.seqlen_q_rounded = 4 * kQueries;
+    params.dropout_keep_threshold = 1u << 15;  // keep half
+    for (int trial = 0; trial < 3; ++trial) {
+        const int m_block = trial, n_block = 2 - trial, bidb = trial % 2, bidh = trial;
+        const flash::Dropout dropout(params, 0x1234567ull + trial, 4096ull * trial, bidb, bidh);
+        static bool kept_s[kQueries][kKeys], kept_st[kQueries][kKeys];
+        for (int tid = 0; tid < kThreadsS; ++tid) {  // the forward: S (queries, keys)
+            auto thr = TiledMmaS{}.get_thread_slice(tid);
+            Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<kQueries>, Int<kKeys>>{}));
+            Tensor p = partition_fragment_C(TiledMmaS{}, Shape<Int<kQueries>, Int<kKeys>>{});
+            fill(p, 1.f);
+            Tensor rc = make_tensor(c.data(), flash::acc_as_rowcol(c.layout()));
+            Tensor prc = make_tensor(p.data(), flash::acc_as_rowcol(p.layout()));
+            dropout.apply<false, false>(prc, rc, m_block * kQueries, n_block * kKeys, tid % 32,
+                                        static_cast<cutlass::bfloat16_t *>(nullptr), 0);
+            for (int i = 0; i < int(size(p)); ++i) { kept_s[get<0>(c(i))][get<1>(c(i))] = p(i) != 0.f; }
+        }
+        for (int tid = 0; tid < kThreadsSt; ++tid) {  // the backward: S^T (keys, queries)
+            auto thr = TiledMmaSt{}.get_thread_slice(tid);
+            Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<kKeys>, Int<kQueries>>{}));
+            Tensor p = partition_fragment_C(TiledMmaSt{}, Shape<Int<kKeys>, Int<kQueries>>{});
+            fill(p, 1.f);
+            Tensor rc = make_tensor(c.data(), flash::acc_as_rowcol(c.layout()));
+            Tensor prc = make_tensor(p.data(), flash::acc_as_rowcol(p.layout()));
+            dropout.apply_transposed<false>(prc, rc, n_block * kKeys, m_block * kQueries, tid % 32);
+            for (int i = 0; i < int(size(p)); ++i) { kept_st[get<1>(c(i))][get<0>(c(i))] = p(i) != 0.f; }
+        }
+        int differ = 0, kept = 0;
+        for (int q = 0; q < kQueries; ++q) {
+            for (int k = 0; k < kKeys; ++k) {
+                differ += kept_s[q][k] != kept_st[q][k];
+                kept += kept_s[q][k];
+            }
+        }
+        EXPECT(differ == 0, "%s: trial %d, %d of %d elements dropped differently from the forward", name, trial,
+               differ, kQueries * kKeys);
+        EXPECT(kept > kQueries * kKeys / 3 && kept < 2 * kQueries * kKeys / 3, "%s: trial %d kept %d of %d", name,
+               trial, kept, kQueries * kKeys);
+    }
+}
+
 // The warp-specialised backward (keys as the M dimension of S^T and dP^T).
 template <int kHeadDim>
 void check_backward_ws() {
@@ -264,6 +312,8 @@ void check_backward_ws() {
         }
     }
     check_p_as_a_operand<typename Ws::TiledMmaSdP, typename Ws::TiledMmadKV, kN, kM>(name, kThreads);
+    using Fwd = flash::ForwardTraits<kHeadDim, 128, 128, 4, Element>;  // any m16n8 S tile draws the same mask
+    check_transposed_dropout<typename Fwd::TiledMma, Fwd::kNThreads, typename Ws::TiledMmaSdP, kThreads, kM, kN>(name);
     check_column_pairs<typename Ws::TiledMmadKV, kN, kHeadDim>(name, kThreads);
     check_column_pairs<typename Ws::TiledMmadQ, kM, kHeadDim>(name, kThreads);
     check_dq_accum_order<typename Ws::TiledMmadQ, kM, kHeadDim>(name, kThreads, 2);

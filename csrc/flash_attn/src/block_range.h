@@ -40,7 +40,8 @@ template <int kBlockM, int kBlockN, bool Is_masked>
 struct QueryBlockRange {
     int m_block_min, m_block_max;  // [min, max)
 
-    __device__ static QueryBlockRange make(const AttentionParams &params, const SequenceInfo &seq, int n_block) {
+    __device__ __forceinline__ static QueryBlockRange make(const AttentionParams &params, const SequenceInfo &seq,
+                                                           int n_block) {
         const int diag = seq.seqlen_k - seq.seqlen_q;
         int lo = 0, hi = ceil_div(seq.seqlen_q, kBlockM);
         if constexpr (Is_masked) {

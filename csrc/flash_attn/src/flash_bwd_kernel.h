@@ -203,9 +203,9 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     clear(acc_dv);
 
     if (m_block_max <= m_block_min) {  // no query sees these keys: their gradients are 0
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, tidx, params.dk_ptr, dk_row0, params.dk_row_stride,
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, threadIdx.x, params.dk_ptr, dk_row0, params.dk_row_stride,
                                               kv_rows, params.head_dim, 0.f);
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, tidx, params.dv_ptr, dv_row0, params.dv_row_stride,
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, threadIdx.x, params.dv_ptr, dv_row0, params.dv_row_stride,
                                               kv_rows, params.head_dim, 0.f);
         return;
     }
@@ -488,7 +488,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
                               thr_dkv.partition_fragment_B(smem_view(smem_q + buf_offset, LayoutQdOt{})), acc_dk);
             warpgroup_wait<2>();  // dQ's batch is done: it leaves while the dV and dK products run
             warpgroup_fence_operand(acc_dq);
-            stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, tidx, smem_dq,
+            stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, threadIdx.x, smem_dq,
                                               dq_row0 + int64_t(m_block) * kBlockM);
             fence_smem_for_wgmma();  // the bulk reduction reads through the async proxy
             __syncthreads();
@@ -530,9 +530,9 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         store_dkv_staged<Traits>(acc_dv, tiled_mma_dkv, smem_v, params.dv_ptr, dv_row0, params.dv_row_stride,
                                  kv_rows, params.head_dim, dv_scale);
     } else {
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, tidx, params.dk_ptr, dk_row0, params.dk_row_stride,
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, threadIdx.x, params.dk_ptr, dk_row0, params.dk_row_stride,
                                               kv_rows, params.head_dim, dk_scale);
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, tidx, params.dv_ptr, dv_row0, params.dv_row_stride,
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, threadIdx.x, params.dv_ptr, dv_row0, params.dv_row_stride,
                                               kv_rows, params.head_dim, dv_scale);
     }
 }

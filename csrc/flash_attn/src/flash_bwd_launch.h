@@ -22,7 +22,7 @@ constexpr int kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the kernel strid
 // key-block kernel runs). Returns whether it ran.
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
-    if constexpr (Is_dropout || (kHeadDim != 64 && kHeadDim != 128)) {
+    if constexpr (kHeadDim != 64 && kHeadDim != 128) {
         return false;
     } else {
         static const bool enabled = [] {
@@ -34,7 +34,7 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
         }();
         using Ws = BackwardWs<kHeadDim, Element>;
         if (!enabled || !Ws::supports(params)) { return false; }
-        auto kernel = &flash_bwd_ws_kernel<Ws, Is_masked>;
+        auto kernel = &flash_bwd_ws_kernel<Ws, Is_dropout, Is_masked>;
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
                    "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised backward kernel");
         const typename Ws::KernelArgs args = Ws::make_args(params);

@@ -11,9 +11,8 @@
 //    dQ = dS K, which the two warpgroups split.
 // The producer warpgroup gives its registers to the consumers (setmaxnreg).
 //
-// Scope: head dims 64 and 128, padded and varlen inputs, causal / window, ALiBi, softcap, GQA/MQA,
-// the deterministic mode. Not dropout (this tile's lanes hold other elements than the forward's,
-// whose Philox draws the mask, see dropout.h): that takes flash_bwd_kernel.h.
+// Scope: head dims 64 and 128, padded and varlen inputs, causal / window, ALiBi, softcap, dropout
+// (the forward's mask, drawn on S^T: Dropout::apply_transposed), GQA/MQA, the deterministic mode.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,7 +21,9 @@
 
 #include "block_range.h"
 #include "bwd_epilogue.h"
+#include "dropout.h"
 #include "flash.h"
+#include "philox.h"
 #include "score_mods.h"
 #include "sequence_info.h"
 #include "tma_rows.h"
@@ -145,7 +146,7 @@ CUTE_HOST_DEVICE auto transposed_rowcol(Tensor &&t) {
 // key blocks slowest, so that every head's heavy causal key blocks start before any light one.
 // Deterministic: each CTA adds its dQ tiles into its own dq_accum split, one key block's after the
 // last one's have landed, so every element sums in a fixed order.
-template <typename Ws, bool Is_masked>
+template <typename Ws, bool Is_dropout, bool Is_masked>
 __global__ void __launch_bounds__(Ws::kThreads, 1)
 flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
 #if FLASH_WGMMA_ARCH
@@ -324,6 +325,9 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     Tensor coords_qk = transposed_rowcol(tScS_qk);  // (queries, keys) of (query, key)
 
     const ScoreMods score_mods = ScoreMods::make(params, seq, bidb, bidh);
+    uint64_t seed = 0, offset = 0;
+    if constexpr (Is_dropout) { philox_seed_offset(params.philox, seed, offset); }
+    const Dropout dropout(params, seed, offset, bidb, bidh);
     int dq_tiles = 0;  // dQ tiles this CTA's consumers have handed to the dQ warp
 
     for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
@@ -367,12 +371,18 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                         scores(r, c) = exp2f(scores(r, c) * params.score_scale_log2 - lse_log2);
                     }
                 }
+                if constexpr (Is_dropout) {  // dropped elements become -P (see dS below)
+                    dropout.apply_transposed<true>(scores, tScS_rc, n_block * kBlockN, m_block * kBlockM,
+                                                   threadIdx.x % 32);
+                }
                 warpgroup_wait<0>();
                 warpgroup_fence_operand(acc_dp);
 
-                // dS^T = P^T (dP^T - softmax_d) [* (1 - tanh^2)] in place of dP^T, then dV += P^T dO
-                // (P^T's fp32 registers die first: this order keeps the tile from spilling). Two
-                // copies of the loop, so that without softcap none of its instructions is issued.
+                // dS^T = P^T (dP^T / keep_prob (0 where dropped) - softmax_d) [* (1 - tanh^2)] in
+                // place of dP^T, then dV += P^T dO with dropped elements zeroed (1 / keep_prob is
+                // applied once, at the end); P^T's fp32 registers die first: this order keeps the
+                // tile from spilling. Two copies of the loop, so that without softcap none of its
+                // instructions is issued.
                 Tensor dp = make_tensor(acc_dp.data(), acc_as_rowcol(acc_dp.layout()));
                 auto compute_ds = [&](auto softcap_on) {
                     constexpr bool Has_softcap = decltype(softcap_on)::value;
@@ -386,7 +396,14 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                         const float row_d = storage.softmax_d[stage][get<1>(tScS_rc(0, c))];
                         CUTE_UNROLL
                         for (int r = 0; r < size<0>(dp); ++r) {
-                            dp(r, c) = scores(r, c) * (dp(r, c) - row_d);
+                            const float p = scores(r, c);
+                            if constexpr (Is_dropout) {
+                                const bool kept = p >= 0.f;
+                                dp(r, c) = fabsf(p) * ((kept ? dp(r, c) * params.inv_keep_prob : 0.f) - row_d);
+                                scores(r, c) = kept ? p : 0.f;
+                            } else {
+                                dp(r, c) = p * (dp(r, c) - row_d);
+                            }
                             if constexpr (Has_softcap) { dp(r, c) *= float(dtanh_rc(r, c)); }
                         }
                     }
@@ -442,7 +459,8 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, ctid, params.dk_ptr, dk_row0,
                                               params.dk_row_stride, kv_rows, params.head_dim, params.softmax_scale);
         store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, ctid, params.dv_ptr, dv_row0,
-                                              params.dv_row_stride, kv_rows, params.head_dim, 1.f);
+                                              params.dv_row_stride, kv_rows, params.head_dim,
+                                              Is_dropout ? params.inv_keep_prob : 1.f);
     });
     // The dQ warp's last release: every arrival at a named barrier is waited for.
     if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
