@@ -1,9 +1,9 @@
 """The warp-specialised sm90 forward (FLASH_ATTN_SM90_WS=1 its plain consumer loop, 2 the
-overlapped ping-pong one, unset mode 2 from 2K keys; the binding reads the flag once per process,
-so the cases run in child processes): flash-attn's error rule against the fp32 reference for every
-score modifier and head layout it covers, padded and varlen (test_flash_attn_interface's
-_run_and_check and test_varlen), batches with more work units than SMs (the persistent CTAs walk
-several; masked ones pair blocks), plain and varlen calls bitwise equal
+overlapped ping-pong one, 3 that on the wide tile, unset mode 2 from 2K keys; the binding reads the
+flag once per process, so the cases run in child processes): flash-attn's error rule against the
+fp32 reference for every score modifier and head layout it covers, padded and varlen
+(test_flash_attn_interface's _run_and_check and test_varlen), batches with more work units than SMs
+(the persistent CTAs walk several; masked ones pair blocks), plain and varlen calls bitwise equal
 (test_packed_forms_match_plain), proof that the flag changes the kernel (its outputs differ from the
 default kernel's in the last bits somewhere; bitwise equal everywhere would mean it never ran), and
 the unset flag's dispatch.
@@ -86,8 +86,8 @@ CHILD = textwrap.dedent("""
 
 def _child(tmp_path, ws, check=True):
     """ws: the FLASH_ATTN_SM90_WS value (0 the default kernel), or None to leave it unset; check:
-    run the error-rule cases too (modes 1 and 2)."""
-    check = check and ws in (1, 2)
+    run the error-rule cases too (modes 1, 2 and 3)."""
+    check = check and ws in (1, 2, 3)
     out_file = tmp_path / f"outs_{ws}.pt"
     env = dict(os.environ)
     env.pop("FLASH_ATTN_SM90_WS", None)
@@ -104,7 +104,7 @@ def _child(tmp_path, ws, check=True):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path, mode):
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward is sm90 only")

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 
 #include "cuda_check.h"
 #include "flash.h"
@@ -38,12 +39,13 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
     if constexpr (Is_dropout || kHeadDim % 64 != 0) {
         return false;
     } else {
-        // FLASH_ATTN_SM90_WS: 0 never, 1 the plain consumer loop, 2 the overlapped, ping-pong one;
-        // unset, mode 2 from 2K keys (max over the batch, so plain and varlen calls of the same
-        // lengths agree) at head dims 64 and 128: on the H200 it matched or beat the default kernel
-        // at every measured shape from 2K (at d64 s1k it lost by 1-5%), except where the default
-        // takes the decode tile (its 128 rows would be mostly empty). Head dims 192 and 256 take it
-        // only with the flag set (not yet measured).
+        // FLASH_ATTN_SM90_WS: 0 never, 1 the plain consumer loop, 2 the overlapped, ping-pong one,
+        // 3 that on the wide tile (WsForwardTile; not yet measured); unset, mode 2 from 2K keys (max
+        // over the batch, so plain and varlen calls of the same lengths agree) at head dims 64 and
+        // 128: on the H200 it matched or beat the default kernel at every measured shape from 2K (at
+        // d64 s1k it lost by 1-5%), except where the default takes the decode tile (its 128 rows
+        // would be mostly empty). Head dims 192 and 256 take it only with the flag set (not yet
+        // measured).
         constexpr int kAuto = -1;
         static const int mode = [] {
             const char *flag = std::getenv("FLASH_ATTN_SM90_WS");
@@ -52,32 +54,41 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
             if (major != 9) { return 0; }
             if (flag == nullptr || flag[0] == '\0') { return kAuto; }
-            return (flag[0] == '1' || flag[0] == '2') && flag[1] == '\0' ? flag[0] - '0' : 0;
+            return flag[0] >= '1' && flag[0] <= '3' && flag[1] == '\0' ? flag[0] - '0' : 0;
         }();
         const bool auto_takes_ws = kHeadDim <= 128 && params.seqlen_k >= kWsMinKeys &&
                                    !takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked);
         const int use = mode == kAuto ? (auto_takes_ws ? 2 : 0) : mode;
-        using Ws = ForwardWs<kHeadDim, Element>;
         const bool covered = (params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr) &&
                              params.seqused_k == nullptr && params.leftpad_k == nullptr &&
                              params.kv_batch_idx == nullptr && params.block_table == nullptr &&
-                             params.num_splits == 1 && params.s_dmask_ptr == nullptr && Ws::supports(params);
+                             params.num_splits == 1 && params.s_dmask_ptr == nullptr;
         if (use == 0 || !covered) { return false; }
-        auto kernel = use == 2 ? &flash_fwd_ws_kernel<Ws, Is_masked, /*Overlap=*/true>
-                                : &flash_fwd_ws_kernel<Ws, Is_masked, /*Overlap=*/false>;
-        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
-                   "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised forward kernel");
-        static const int num_sms = [] {
-            int device = 0, count = 0;
-            cudaGetDevice(&device);
-            cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-            return count;
-        }();
-        const typename Ws::KernelArgs args = Ws::make_args(params, Is_masked, num_sms);
-        const dim3 grid(std::min(args.schedule.num_units, num_sms));  // persistent: one CTA per SM
-        kernel<<<grid, Ws::kThreads, Ws::kSmemSize, stream>>>(args);
-        check_cuda(cudaGetLastError(), "launch of the warp-specialised forward kernel");
-        return true;
+        auto launch = [&](auto tile, auto overlap) {
+            using Tile = decltype(tile);
+            using Ws = ForwardWs<kHeadDim, Element, Tile::kConsumers, Tile::kBlockN>;
+            if (!Ws::supports(params)) { return false; }
+            auto kernel = &flash_fwd_ws_kernel<Ws, Is_masked, decltype(overlap)::value>;
+            check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
+                       "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised forward kernel");
+            static const int num_sms = [] {
+                int device = 0, count = 0;
+                cudaGetDevice(&device);
+                cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+                return count;
+            }();
+            const typename Ws::KernelArgs args = Ws::make_args(params, Is_masked, num_sms);
+            const dim3 grid(std::min(args.schedule.num_units, num_sms));  // persistent: one CTA per SM
+            kernel<<<grid, Ws::kThreads, Ws::kSmemSize, stream>>>(args);
+            check_cuda(cudaGetLastError(), "launch of the warp-specialised forward kernel");
+            return true;
+        };
+        using DefaultTile = WsForwardTile<kHeadDim, false, Is_masked>;
+        switch (use) {
+            case 1: return launch(DefaultTile{}, std::false_type{});
+            case 2: return launch(DefaultTile{}, std::true_type{});
+            default: return launch(WsForwardTile<kHeadDim, true, Is_masked>{}, std::true_type{});
+        }
     }
 }
 

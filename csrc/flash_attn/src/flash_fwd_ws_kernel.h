@@ -1,18 +1,17 @@
 // The sm90 forward with warp specialisation (flash_fwd_launch.h: from kWsMinKeys keys, or as
 // FLASH_ATTN_SM90_WS says). One producer warpgroup issues TMA loads of Q and of K/V tiles into a
 // kStages-deep shared-memory ring tracked by mbarriers (CUTLASS's PipelineTmaAsync), and gives its
-// registers to the two consumer warpgroups (setmaxnreg), which own 64 query rows each and run
-// S = Q K^T and O += P V on wgmma, the softmax and the score modifications (the pieces of the
-// mma.sync/wgmma kernel: score_mods.h, softmax.h, block_range.h). Mode 2 (Overlap) issues S of
-// block j + 1 with P V of block j and has the consumers take turns (ping-pong).
+// registers to the consumer warpgroups (setmaxnreg; two, or three in d64's wide tile), which own 64
+// query rows each and run S = Q K^T and O += P V on wgmma, the softmax and the score modifications
+// (the pieces of the mma.sync/wgmma kernel: score_mods.h, softmax.h, block_range.h). Mode 2
+// (Overlap) issues S of block j + 1 with P V of block j and has the consumers take turns (ping-pong).
 //
 // The CTAs are persistent (one per SM, WsSchedule): each walks work units of one query block, or
 // under a mask two (m and its mirror, so every unit has the same number of key blocks), and the
 // producer loads the next unit's Q and K/V while the consumers write the last one's O.
 //
 // Scope: padded and varlen (not paged, no seqused_k / left padding) inputs, no dropout, no
-// split-KV, head dims 64, 128, 192 and 256 (the last two with 64-key blocks: their O accumulators
-// take 96 and 128 registers). Not yet: a TMA-store epilogue.
+// split-KV, head dims 64, 128, 192 and 256 (tiles: WsForwardTile). Not yet: a TMA-store epilogue.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,9 +19,8 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include "flash.h"
 #include "block_range.h"
-#include "kernel_traits.h"
+#include "flash.h"
 #include "score_mods.h"
 #include "sequence_info.h"
 #include "softmax.h"
@@ -34,18 +32,30 @@ namespace flash {
 
 using namespace cute;
 
-template <int kHeadDim_, typename Element_>
+// kConsumers warpgroups of 64 query rows each; kBlockN keys per K/V stage (tile_sizes.h: WsForwardTile).
+template <int kHeadDim_, typename Element_, int kConsumers_, int kBlockN_>
 struct ForwardWs {
     using Element = Element_;
-    static constexpr int kHeadDim = kHeadDim_, kBlockM = 128, kBlockN = kHeadDim <= 128 ? 128 : 64, kStages = 2;
-    static constexpr int kConsumerThreads = 256, kThreads = 128 + kConsumerThreads;
-    // The consumers' MMAs and views are those of the 8-warp forward tile (two warpgroups of 64 rows).
-    using Traits = ForwardTraits<kHeadDim, kBlockM, kBlockN, 8, Element>;
-    using Wgmma = ForwardWgmma<Traits>;
-    static_assert(Wgmma::kEnabled || !FLASH_WGMMA_ARCH);
+    static constexpr int kHeadDim = kHeadDim_, kConsumers = kConsumers_, kBlockN = kBlockN_, kStages = 2;
+    static constexpr int kBlockM = 64 * kConsumers;
+    static constexpr int kConsumerThreads = 128 * kConsumers, kThreads = 128 + kConsumerThreads;
+    // Registers per consumer thread once the producer gives its own up (24): all of the register file.
+    static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
+    static_assert(kConsumers == 2 || kConsumers == 3);
+    static_assert(128 * 24 + kConsumerThreads * kConsumerRegisters <= 65536);
 
-    using SmemLayoutQ = SmemKMajor<Element, kBlockM, kHeadDim>;
-    using SmemLayoutKV = SmemKMajor<Element, kBlockN, kHeadDim>;  // one stage
+    // S = Q K^T (both from shared memory) and O += P V (P from registers), a warpgroup per 64 rows.
+    using TiledMmaS = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+        Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+    using TiledMmaO = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                             GMMA::Major::MN>(),
+        Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+
+    using SmemLayoutQ = SmemKMajor<Element, kBlockM, kHeadDim>;    // A of S (queries x head dim)
+    using SmemLayoutKV = SmemKMajor<Element, kBlockN, kHeadDim>;   // one stage; K: B of S (keys x head dim)
+    using SmemLayoutVt = SmemColsMajor<Element, kBlockN, kHeadDim>;  // a V stage as B of O (head dim x keys)
     using SmemLayoutKVStages = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                       Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
     static constexpr int kTileElems = kBlockN * kHeadDim;
@@ -62,6 +72,7 @@ struct ForwardWs {
         alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty;        // the consumers are done with Q
     };
     static constexpr int kSmemSize = int(sizeof(SharedStorage));
+    static_assert(kSmemSize <= 227 * 1024, "one CTA per SM: the H100/H200 shared memory per block");
 
     using TmaQ = TmaRowsLoad<Element, SmemLayoutQ, kBlockM, kHeadDim>;
     using TmaKV = TmaRowsLoad<Element, SmemLayoutKV, kBlockN, kHeadDim>;
@@ -155,26 +166,40 @@ __device__ __forceinline__ void ws_store_o(const AttentionParams &params, const 
     }
 }
 
-// The two consumer warpgroups' turns at the tensor cores (Overlap): named barriers 1 and 2, 256
-// threads each: the waiting warpgroup's 128 and the other's 128 arrivals.
+// The consumer warpgroups' turns at the tensor cores (Overlap), round robin: consumer c waits on
+// named barrier 1 + c, 256 threads: its own 128 and the 128 arrivals of the consumer before it.
+template <int kConsumers>
 __device__ __forceinline__ void ws_wait_turn(int consumer) {
     if (consumer == 0) {
         named_barrier_sync<1, 256>();
-    } else {
+    } else if (kConsumers == 2 || consumer == 1) {
         named_barrier_sync<2, 256>();
+    } else {
+        named_barrier_sync<3, 256>();
     }
 }
+template <int kConsumers>
 __device__ __forceinline__ void ws_pass_turn(int consumer) {
-    if (consumer == 0) {
-        named_barrier_arrive<2, 256>();
+    if constexpr (kConsumers == 2) {
+        if (consumer == 0) {
+            named_barrier_arrive<2, 256>();
+        } else {
+            named_barrier_arrive<1, 256>();
+        }
     } else {
-        named_barrier_arrive<1, 256>();
+        if (consumer == 0) {
+            named_barrier_arrive<2, 256>();
+        } else if (consumer == 1) {
+            named_barrier_arrive<3, 256>();
+        } else {
+            named_barrier_arrive<1, 256>();
+        }
     }
 }
 
 // Overlap: each consumer issues S of key block j + 1 together with O += P V of block j, then
-// exponentiates S while P V still runs (O is rescaled after it lands), and the two consumers take
-// turns issuing (ping-pong), so one's softmax runs while the other's GEMMs do.
+// exponentiates S while P V still runs (O is rescaled after it lands), and the consumers take turns
+// issuing (ping-pong), so one's softmax runs while another's GEMMs do.
 template <typename Ws, bool Is_masked, bool Overlap>
 __global__ void __launch_bounds__(Ws::kThreads, 1)
 flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
@@ -273,22 +298,21 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         return;
     }
 
-    // Consumers: threads 128..383, as threads 0..255 of the two-warpgroup MMAs.
-    cutlass::arch::warpgroup_reg_alloc<240>();
+    // Consumers: threads 128.., as threads 0.. of the consumer warpgroups' MMAs.
+    cutlass::arch::warpgroup_reg_alloc<Ws::kConsumerRegisters>();
     const int ctid = threadIdx.x - 128;
-    using Wgmma = typename Ws::Wgmma;
-    typename Wgmma::TiledMmaS tiled_mma_s;
-    typename Wgmma::TiledMmaO tiled_mma_o;
+    typename Ws::TiledMmaS tiled_mma_s;
+    typename Ws::TiledMmaO tiled_mma_o;
     auto thr_s = tiled_mma_s.get_thread_slice(ctid);
     auto thr_o = tiled_mma_o.get_thread_slice(ctid);
-    Tensor tSrQ = thr_s.partition_fragment_A(smem_view(storage.q.data(), typename Wgmma::SmemLayoutQ{}));
+    Tensor tSrQ = thr_s.partition_fragment_A(smem_view(storage.q.data(), typename Ws::SmemLayoutQ{}));
     auto tSrK = [&](int stage) {
         return thr_s.partition_fragment_B(smem_view(storage.k.data() + stage * Ws::kTileElems,
-                                                    typename Wgmma::SmemLayoutK{}));
+                                                    typename Ws::SmemLayoutKV{}));
     };
     auto tOrV = [&](int stage) {
         return thr_o.partition_fragment_B(smem_view(storage.v.data() + stage * Ws::kTileElems,
-                                                    typename Wgmma::SmemLayoutVt{}));
+                                                    typename Ws::SmemLayoutVt{}));
     };
     Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));
@@ -335,7 +359,7 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         } else if (range.n_block_max > range.n_block_min) {
             // Block j's S -> P (registers, the input dtype); the loop then issues S of j + 1 with P V of j.
             const int consumer = warpgroup - 1;
-            const int turns = range.n_block_max - range.n_block_min - 1;  // the same for both consumers
+            const int turns = range.n_block_max - range.n_block_min - 1;  // the same for every consumer
             int n_block = range.n_block_max - 1;
             Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
             Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
@@ -344,18 +368,20 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
             Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
             PipelineState state_v = state;  // the stage of P's V
             ++state;
-            // The first turn is consumer 0's: consumer 1 opens it. Each turn's end opens the other's,
-            // except consumer 1's last, which no turn would take (every arrival of a block is waited
-            // for within the block, so the next block's turns start afresh).
-            if (consumer == 1 && turns > 0) { ws_pass_turn(consumer); }
+            // The first turn is consumer 0's: the last consumer opens it. Each turn's end opens the
+            // next consumer's, except the last consumer's last, which no turn would take (every
+            // arrival of a block is waited for within the block, so the next block's turns start
+            // afresh).
+            constexpr int kLast = Ws::kConsumers - 1;
+            if (consumer == kLast && turns > 0) { ws_pass_turn<Ws::kConsumers>(consumer); }
             for (int turn = 0; turn < turns; ++turn) {
                 --n_block;
-                ws_wait_turn(consumer);
+                ws_wait_turn<Ws::kConsumers>(consumer);
                 pipeline_k.consumer_wait(state);
                 wgmma_gemm<true>(tiled_mma_s, tSrQ, tSrK(state.index()), acc_s);
                 pipeline_v.consumer_wait(state_v);
                 wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state_v.index()), acc_o);
-                if (!(consumer == 1 && turn == turns - 1)) { ws_pass_turn(consumer); }
+                if (!(consumer == kLast && turn == turns - 1)) { ws_pass_turn<Ws::kConsumers>(consumer); }
                 warpgroup_wait<1>();  // S of this block landed; P V of the last may still run
                 warpgroup_fence_operand(acc_s);
                 pipeline_k.consumer_release(state);

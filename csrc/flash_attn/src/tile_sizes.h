@@ -37,6 +37,21 @@ __host__ __device__ constexpr bool takes_decode_tile(int seqlen_q, bool dropout,
     return !dropout && !masked && seqlen_q <= kDecodeBlockM;
 }
 
+// The warp-specialised forward (flash_fwd_ws_kernel.h): consumer warpgroups of 64 query rows, and
+// keys per K/V stage (their S accumulators beside O's must fit 240 registers, 160 with three
+// consumers, and Q with two stages of K and V 227 KB of shared memory). The default tile
+// (FLASH_ATTN_SM90_WS unset, 1 or 2), and the wide one (3, not yet measured): three consumers at
+// d64, more keys per stage at d128 (unmasked), d192 and d256.
+template <int kHeadDim, bool Wide, bool Is_masked>
+struct WsForwardTile {
+    static constexpr int kConsumers = Wide && kHeadDim == 64 ? 3 : 2;
+    static constexpr int kBlockN = !Wide ? (kHeadDim <= 128 ? 128 : 64)
+                                   : kHeadDim <= 64 ? 128
+                                   : kHeadDim <= 128 ? (Is_masked ? 128 : 176)
+                                   : kHeadDim <= 192 ? 112
+                                                     : 80;
+};
+
 // Backward: (kBlockM, kBlockN, kNWarps) and how many warps split the rows of S/dP, of dK/dV
 // (their rows are keys) and of dQ; the MMA tiles must divide the block and head dims.
 template <int kHeadDim> struct BackwardTile;
