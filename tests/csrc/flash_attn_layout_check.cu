@@ -23,6 +23,7 @@
 
 #include "flash_bwd_kernel.h"
 #include "flash_bwd_ws_kernel.h"
+#include "flash_fwd_ws_kernel.h"
 #include "kernel_traits.h"
 #include "philox.h"
 #include "tile_sizes.h"
@@ -239,6 +240,21 @@ void check_transposed_views(const char *name) {
     }
 }
 
+// The warp-specialised forward's tiles (WsForwardTile, default and wide): every S element held
+// once, P read back as the A operand of P V element for element, and the O pairs.
+template <int kHeadDim, bool Wide, bool Is_masked>
+void check_forward_ws() {
+    using Tile = flash::WsForwardTile<kHeadDim, Wide, Is_masked>;
+    using Ws = flash::ForwardWs<kHeadDim, cutlass::bfloat16_t, Tile::kConsumers, Tile::kBlockN>;
+    char name[64];
+    std::snprintf(name, sizeof(name), "forward ws hdim%d%s%s", kHeadDim, Wide ? " wide" : "",
+                  Is_masked ? " masked" : "");
+    check_score_tile<typename Ws::TiledMmaS, Ws::kBlockM, Ws::kBlockN>(name, Ws::kConsumerThreads, false);
+    check_p_as_a_operand<typename Ws::TiledMmaS, typename Ws::TiledMmaO, Ws::kBlockM, Ws::kBlockN>(
+        name, Ws::kConsumerThreads);
+    check_column_pairs<typename Ws::TiledMmaO, Ws::kBlockM, kHeadDim>(name, Ws::kConsumerThreads);
+}
+
 // The dropout mask drawn on an S^T tile (apply_transposed: the warp-specialised backward) equals
 // the one the forward draws on the S tile of the same queries and keys, element for element.
 template <typename TiledMmaS, int kThreadsS, typename TiledMmaSt, int kThreadsSt, int kQueries, int kKeys>
@@ -403,6 +419,13 @@ int main() {
     check_head_dim<256>();
     check_backward_ws<64>();
     check_backward_ws<128>();
+    check_forward_ws<64, false, false>();
+    check_forward_ws<64, true, false>();
+    check_forward_ws<128, false, false>();
+    check_forward_ws<128, true, false>();
+    check_forward_ws<192, true, false>();
+    check_forward_ws<256, false, true>();
+    check_forward_ws<256, true, true>();
     if (failures) {
         std::printf("FAILED: %d mismatches\n", failures);
         return 1;
