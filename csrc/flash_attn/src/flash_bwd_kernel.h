@@ -406,11 +406,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         // The forward's score modifications, then P = exp(S - lse).
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
         score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [&] {
-            // Stage the softcap's derivative 1 - tanh^2 in dS's shared memory until dS is computed.
-            Tensor dtanh = make_tensor<float>(acc_s.layout());
-            CUTE_UNROLL
-            for (int i = 0; i < size(acc_s); ++i) { dtanh(i) = 1.f - acc_s(i) * acc_s(i); }
-            Tensor rdtanh = convert_type<Element>(dtanh);
+            // Stage the softcap's derivative in dS's shared memory until dS is computed.
+            Tensor rdtanh = ScoreMods::tanh_derivative<Element>(acc_s);
             cute::copy(smem_copy_PdS, thr_copy_PdS.retile_S(rdtanh), tdSsdS);
         });
         CUTE_UNROLL

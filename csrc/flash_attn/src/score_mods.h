@@ -1,6 +1,6 @@
 // The score modifications of an S tile, in flash-attn's order: softcap (tanh), ALiBi, then the
 // mask. The forward and the backward (which rebuilds P from S) apply them through this one piece;
-// the backward also takes the softcap's derivative at the point the tanh is known.
+// the backward also takes the softcap's derivative (tanh_derivative) at the point the tanh is known.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -8,6 +8,7 @@
 #include "flash.h"
 #include "mask.h"
 #include "sequence_info.h"
+#include "utils.h"
 
 namespace flash {
 
@@ -50,6 +51,16 @@ struct ScoreMods {
         } else if (needs_mask) {
             mask.apply<Is_masked, false>(scores, coords, row_first, col_first, true);
         }
+    }
+
+    // The softcap's derivative where acc_tanh holds the tanh (in apply's after_tanh): d tanh(x) / dx
+    // = 1 - tanh^2, in the input dtype, in which the backward keeps it until dS.
+    template <typename Element, typename Acc>
+    __device__ __forceinline__ static auto tanh_derivative(Acc const &acc_tanh) {
+        Tensor dtanh = make_tensor<float>(acc_tanh.layout());
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_tanh); ++i) { dtanh(i) = 1.f - acc_tanh(i) * acc_tanh(i); }
+        return convert_type<Element>(dtanh);
     }
 };
 
