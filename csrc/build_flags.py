@@ -18,6 +18,9 @@ NVCC_FLAGS = [
     "--expt-relaxed-constexpr", "--expt-extended-lambda",
     "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
     "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    # wgmma N widths past CUTLASS's default set (the wide forward tiles' 176, 112 and 80 keys);
+    # without it CuTe silently picks 16-wide instructions for them.
+    "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
 ]
 
 

@@ -241,7 +241,8 @@ void check_transposed_views(const char *name) {
 }
 
 // The warp-specialised forward's tiles (WsForwardTile, default and wide): every S element held
-// once, P read back as the A operand of P V element for element, and the O pairs.
+// once, P read back as the A operand of P V element for element, the O pairs, and V's view as P V's
+// B operand on the bytes TMA writes, in every stage.
 template <int kHeadDim, bool Wide, bool Is_masked>
 void check_forward_ws() {
     using Tile = flash::WsForwardTile<kHeadDim, Wide, Is_masked>;
@@ -253,6 +254,21 @@ void check_forward_ws() {
     check_p_as_a_operand<typename Ws::TiledMmaS, typename Ws::TiledMmaO, Ws::kBlockM, Ws::kBlockN>(
         name, Ws::kConsumerThreads);
     check_column_pairs<typename Ws::TiledMmaO, Ws::kBlockM, kHeadDim>(name, Ws::kConsumerThreads);
+    using Element = cutlass::bfloat16_t;
+    check_transposed_views<Element, typename Ws::SmemLayoutKV, typename Ws::SmemLayoutVt, Ws::kBlockN, kHeadDim>(name);
+    typename Ws::SmemLayoutKVStages stages;  // what TMA writes: stage s at s * kTileElems
+    typename Ws::SmemLayoutKV stage;         // what the consumers read at that offset
+    for (int st = 0; st < Ws::kStages; ++st) {
+        for (int r = 0; r < Ws::kBlockN; ++r) {
+            for (int c = 0; c < kHeadDim; ++c) {
+                const int written = int(stages.layout_a()(int(stages.layout_b()(r, c, st)) * int(sizeof(Element))));
+                const int read = int(stage.layout_a()(int(stage.layout_b()(r, c)) * int(sizeof(Element)))) +
+                                 st * Ws::kTileElems * int(sizeof(Element));
+                EXPECT(written == read, "%s: stage %d (%d, %d) written at byte %d, read at %d", name, st, r, c,
+                       written, read);
+            }
+        }
+    }
 }
 
 // The dropout mask drawn on an S^T tile (apply_transposed: the warp-specialised backward) equals

@@ -27,7 +27,7 @@ def _cutlass_include():
                     reason="needs nvcc and the CUTLASS headers")
 def test_kernel_layouts_and_philox(tmp_path):
     binary = tmp_path / "layout_check"
-    subprocess.run(["nvcc", "-std=c++17", "-O1", "--expt-relaxed-constexpr",
+    subprocess.run(["nvcc", "-std=c++17", "-O1", "--expt-relaxed-constexpr", "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
                     "-I", str(ROOT / "csrc" / "flash_attn" / "src"), "-I", str(_cutlass_include()),
                     str(ROOT / "tests" / "csrc" / "flash_attn_layout_check.cu"), "-o", str(binary)],
                    check=True, capture_output=True, text=True)

@@ -203,10 +203,10 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     clear(acc_dv);
 
     if (m_block_max <= m_block_min) {  // no query sees these keys: their gradients are 0
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, threadIdx.x, params.dk_ptr, dk_row0, params.dk_row_stride,
-                                              kv_rows, params.head_dim, 0.f);
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, threadIdx.x, params.dv_ptr, dv_row0, params.dv_row_stride,
-                                              kv_rows, params.head_dim, 0.f);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, threadIdx.x, params.dk_ptr, dk_row0,
+                                              params.dk_row_stride, kv_rows, params.head_dim, 0.f);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, threadIdx.x, params.dv_ptr, dv_row0,
+                                              params.dv_row_stride, kv_rows, params.head_dim, 0.f);
         return;
     }
 
@@ -527,10 +527,10 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         store_dkv_staged<Traits>(acc_dv, tiled_mma_dkv, smem_v, params.dv_ptr, dv_row0, params.dv_row_stride,
                                  kv_rows, params.head_dim, dv_scale);
     } else {
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, threadIdx.x, params.dk_ptr, dk_row0, params.dk_row_stride,
-                                              kv_rows, params.head_dim, dk_scale);
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, threadIdx.x, params.dv_ptr, dv_row0, params.dv_row_stride,
-                                              kv_rows, params.head_dim, dv_scale);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, threadIdx.x, params.dk_ptr, dk_row0,
+                                              params.dk_row_stride, kv_rows, params.head_dim, dk_scale);
+        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, threadIdx.x, params.dv_ptr, dv_row0,
+                                              params.dv_row_stride, kv_rows, params.head_dim, dv_scale);
     }
 }
 

@@ -42,7 +42,10 @@ struct BackwardWs {
     // spilled (S^T and dP^T of 64 fp32 registers each beside the P^T being converted).
     static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
     static constexpr int kConsumerThreads = 256, kThreads = 128 + kConsumerThreads;
+    static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
     static_assert(kHeadDim == 64 || kHeadDim == 128);
+    static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= ws_register_pool(kThreads),
+                  "setmaxnreg would wait forever for registers the block does not have");
 
     // S^T and dP^T (kBlockN x kBlockM): warpgroup w owns keys [64 w, 64 w + 64).
     using TiledMmaSdP = decltype(make_tiled_mma(
@@ -195,7 +198,7 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                       int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * kHeadDim;
 
     if (warpgroup == 0) {
-        cutlass::arch::warpgroup_reg_dealloc<24>();
+        cutlass::arch::warpgroup_reg_dealloc<Ws::kProducerRegisters>();
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         if (warp == 0) {  // producer
             using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
@@ -275,7 +278,7 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     }
 
     // Consumers: threads 128..383, as threads 0..255 of the two-warpgroup MMAs.
-    cutlass::arch::warpgroup_reg_alloc<240>();
+    cutlass::arch::warpgroup_reg_alloc<Ws::kConsumerRegisters>();
     const unsigned ctid = threadIdx.x - 128;
     typename Ws::TiledMmaSdP tiled_mma_sdp;
     typename Ws::TiledMmadKV tiled_mma_dkv;
@@ -356,10 +359,7 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                 // barrier of block i - 1); each thread reads back only what it wrote.
                 Tensor scores_qk = transposed_rowcol(acc_s);
                 score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores_qk, coords_qk, m_block, n_block, [&] {
-                    Tensor dtanh = make_tensor<float>(acc_s.layout());
-                    CUTE_UNROLL
-                    for (int i = 0; i < size(acc_s); ++i) { dtanh(i) = 1.f - acc_s(i) * acc_s(i); }
-                    Tensor rdtanh = convert_type<Element>(dtanh);
+                    Tensor rdtanh = ScoreMods::tanh_derivative<Element>(acc_s);
                     cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rdtanh), tdSsdS(ds_buf));
                 });
                 Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));  // (keys, queries)

@@ -39,10 +39,11 @@ struct ForwardWs {
     static constexpr int kHeadDim = kHeadDim_, kConsumers = kConsumers_, kBlockN = kBlockN_, kStages = 2;
     static constexpr int kBlockM = 64 * kConsumers;
     static constexpr int kConsumerThreads = 128 * kConsumers, kThreads = 128 + kConsumerThreads;
-    // Registers per consumer thread once the producer gives its own up (24): all of the register file.
-    static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
+    // Registers per thread once the producer gives its own up: all of the block's.
+    static constexpr int kProducerRegisters = 24, kConsumerRegisters = kConsumers == 2 ? 240 : 160;
     static_assert(kConsumers == 2 || kConsumers == 3);
-    static_assert(128 * 24 + kConsumerThreads * kConsumerRegisters <= 65536);
+    static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= ws_register_pool(kThreads),
+                  "setmaxnreg would wait forever for registers the block does not have");
 
     // S = Q K^T (both from shared memory) and O += P V (P from registers), a warpgroup per 64 rows.
     using TiledMmaS = decltype(make_tiled_mma(
@@ -52,6 +53,9 @@ struct ForwardWs {
         GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
                              GMMA::Major::MN>(),
         Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+    static_assert(size<1>(typename TiledMmaS::AtomShape_MNK{}) == kBlockN,
+                  "S on one wgmma per k-slice (widths past 128 other than powers of two need "
+                  "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, set by csrc/build_flags.py)");
 
     using SmemLayoutQ = SmemKMajor<Element, kBlockM, kHeadDim>;    // A of S (queries x head dim)
     using SmemLayoutKV = SmemKMajor<Element, kBlockN, kHeadDim>;   // one stage; K: B of S (keys x head dim)
@@ -252,7 +256,7 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     };
 
     if (warpgroup == 0) {  // producer
-        cutlass::arch::warpgroup_reg_dealloc<24>();
+        cutlass::arch::warpgroup_reg_dealloc<Ws::kProducerRegisters>();
         if (threadIdx.x != 0) { return; }  // the pipeline's leader (is_leader) arms the barriers it loads into
         PipelineState state = cutlass::make_producer_start_state<Pipeline>();
         for_each_block([&](const SequenceInfo &seq, int m_block, int bidh, int bidb, int item) {

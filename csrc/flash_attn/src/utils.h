@@ -30,6 +30,10 @@ __device__ __forceinline__ void atomic_add_pair(float *gmem, float a, float b) {
 #endif
 }
 
+// Registers a block of `threads` threads holds (ptxas gives each thread 64K / threads, in steps of
+// 8): what setmaxnreg can redistribute among its warpgroups, no more.
+constexpr int ws_register_pool(int threads) { return 65536 / threads / 8 * 8 * threads; }
+
 // Named barrier kId (1-15; 0 is __syncthreads') of kThreads threads (whole warps): wait until all
 // have arrived, or arrive and go on. Immediate ids: a register id makes ptxas reserve all 16.
 template <int kId, int kThreads>
