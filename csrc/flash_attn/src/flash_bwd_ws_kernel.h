@@ -144,141 +144,154 @@ CUTE_HOST_DEVICE auto transposed_rowcol(Tensor &&t) {
     return make_tensor(t.data(), make_layout(get<1>(rc), get<0>(rc)));
 }
 
-// grid (batch x heads, key blocks, or num_splits when deterministic): a CTA walks key blocks
-// blockIdx.y, + gridDim.y, ... (one unless deterministic or past 65535 blocks); heads vary fastest,
-// key blocks slowest, so that every head's heavy causal key blocks start before any light one.
-// Deterministic: each CTA adds its dQ tiles into its own dq_accum split, one key block's after the
-// last one's have landed, so every element sums in a fixed order.
-template <typename Ws, bool Is_dropout, bool Is_masked>
-__global__ void __launch_bounds__(Ws::kThreads, 1)
-flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
-#if FLASH_WGMMA_ARCH
-    using Element = typename Ws::Element;
-    constexpr int kBlockM = Ws::kBlockM, kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim, kStages = Ws::kStages;
-    constexpr float kLog2e = 1.4426950408889634f;
-    const AttentionParams &params = args.params;
+// Which key blocks a CTA walks (blockIdx.y, + gridDim.y, ...) and their query blocks. Every role
+// walks them alike: body(n_block, range, iter, kv_iter), where `iter` counts the CTA's query blocks
+// before this key block (the Q/dO ring's stages and phases, and the dS buffers) and `kv_iter` its
+// key blocks that have any (K and V's phases).
+template <typename Ws, bool Is_masked>
+struct BwdWsSchedule {
+    const AttentionParams &params;
+    const SequenceInfo &seq;
 
-    extern __shared__ __align__(1024) char smem_raw[];
-    auto &storage = *reinterpret_cast<typename Ws::SharedStorage *>(smem_raw);
-
-    const int warpgroup = threadIdx.x / 128;
-    const int bidb = int(blockIdx.x) / params.heads, bidh = int(blockIdx.x) % params.heads;
-    const SequenceInfo seq(params, bidb);
-    const int n_blocks = ceil_div(seq.seqlen_k, kBlockN);
-
-    if (threadIdx.x == 0) {
-        for (int stage = 0; stage < kStages; ++stage) {
-            storage.full[stage].init(32);  // every producer lane, after its lse / d stores
-            storage.empty[stage].init(Ws::kConsumerThreads);
-        }
-        storage.kv_full.init(1);
-        storage.kv_empty.init(Ws::kConsumerThreads);
-        cutlass::arch::fence_barrier_init();
-    }
-    __syncthreads();  // barriers initialised before anyone waits on them
-
-    // Every role walks the same key blocks and their query blocks. `iter` counts the CTA's query
-    // blocks before this key block (the ring's stages and phases), `kv_iter` its key blocks that
-    // have any (K and V's phases).
-    auto for_each_key_block = [&](auto &&body) {
+    template <typename Body>
+    __device__ __forceinline__ void for_each_key_block(Body &&body) const {
+        const int n_blocks = ceil_div(seq.seqlen_k, Ws::kBlockN);
         int iter = 0, kv_iter = 0;
         for (int n_block = blockIdx.y; n_block < n_blocks; n_block += gridDim.y) {
-            const auto range = QueryBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, n_block);
+            const auto range = QueryBlockRange<Ws::kBlockM, Ws::kBlockN, Is_masked>::make(params, seq, n_block);
             body(n_block, range, iter, kv_iter);
             if (!range.empty()) {
                 iter += range.m_block_max - range.m_block_min;
                 ++kv_iter;
             }
         }
-    };
-    // dq_accum rows of this sequence and head, in this CTA's split when deterministic.
-    const int64_t dq_row0 = seq.q_start >= 0 ? seq.q_start : int64_t(bidb) * params.seqlen_q_rounded;
-    const int split = params.deterministic ? int(blockIdx.y) : 0;
-    float *dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride +
-                      int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * kHeadDim;
-
-    if (warpgroup == 0) {
-        cutlass::arch::warpgroup_reg_dealloc<Ws::kProducerRegisters>();
-        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        if (warp == 0) {  // producer
-            using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
-            const int bidh_k = bidh / params.heads_per_head_k;
-            Tensor mQ = args.tma_q.get_tma_tensor(q_rows_shape(params));
-            Tensor mdO = args.tma_do.get_tma_tensor(q_rows_shape(params));
-            Tensor mK = args.tma_k.get_tma_tensor(k_rows_shape(params));
-            Tensor mV = args.tma_v.get_tma_tensor(k_rows_shape(params));
-            auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
-            auto tile_k = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-            Tensor gQ = local_tile(sequence_rows(mQ, seq.q_start, bidh, bidb), tile_q, make_coord(_, _0{}));
-            Tensor gdO = local_tile(sequence_rows(mdO, seq.q_start, bidh, bidb), tile_q, make_coord(_, _0{}));
-            Tensor gK = local_tile(sequence_rows(mK, seq.k_start, bidh_k, bidb), tile_k, make_coord(_, _0{}));
-            Tensor gV = local_tile(sequence_rows(mV, seq.k_start, bidh_k, bidb), tile_k, make_coord(_, _0{}));
-            auto stages = [](Element *ptr) {
-                using Layout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                                      Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-                return make_tensor(make_smem_ptr(ptr), Layout{});
-            };
-            Tensor sQ = stages(storage.q.data()), sdO = stages(storage.dout.data());
-            Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Ws::SmemLayoutKV{});
-            Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Ws::SmemLayoutKV{});
-            auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                              group_modes<0, 2>(gQ));
-            auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO),
-                                                  group_modes<0, 2>(gdO));
-            auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                              group_modes<0, 2>(gK));
-            auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                              group_modes<0, 2>(gV));
-            for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
-                if (range.empty()) { return; }
-                if (lane == 0) {  // K and V's buffers are free once the last key block's consumers are done
-                    if (kv_iter > 0) { storage.kv_empty.wait((kv_iter - 1) % 2); }
-                    storage.kv_full.arrive_and_expect_tx(2 * Ws::kBytesKV);
-                    auto &barrier = reinterpret_cast<BarrierType &>(storage.kv_full);
-                    copy(args.tma_k.with(barrier, 0), tKgK(_, n_block), tKsK);
-                    copy(args.tma_v.with(barrier, 0), tVgV(_, n_block), tVsV);
-                }
-                for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block, ++iter) {
-                    const int stage = iter % kStages;
-                    if (iter >= kStages) { storage.empty[stage].wait((iter / kStages - 1) % 2); }
-                    if (lane == 0) {
-                        storage.full[stage].expect_transaction(2 * Ws::kBytesQdO);
-                        auto &barrier = reinterpret_cast<BarrierType &>(storage.full[stage]);
-                        copy(args.tma_q.with(barrier, 0), tQgQ(_, m_block), tQsQ(_, stage));
-                        copy(args.tma_do.with(barrier, 0), tdOgdO(_, m_block), tdOsdO(_, stage));
-                    }
-                    for (int i = lane; i < kBlockM; i += 32) {
-                        const int row = m_block * kBlockM + i;
-                        const bool valid = row < seq.seqlen_q;
-                        const int64_t idx = valid ? lse_index(params, seq, bidb, bidh, row) : 0;
-                        storage.lse_log2[stage][i] = valid ? params.softmax_lse_ptr[idx] * kLog2e : INFINITY;
-                        storage.softmax_d[stage][i] = valid ? params.softmax_d_ptr[idx] : 0.f;
-                    }
-                    storage.full[stage].arrive();  // release: the stores above are seen by the waiters
-                }
-            });
-        } else if (warp == 1) {  // dQ: shared memory -> dq_accum, one bulk reduction per tile
-            for_each_key_block([&](int, auto const &range, int, int) {
-                for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block) {
-                    named_barrier_sync<Ws::kBarrierDqFull, Ws::kDqBarrierThreads>();
-                    if (lane == 0) {
-                        bulk_add_to_global(dq_accum + int64_t(m_block) * kBlockM * kHeadDim, storage.dq.data(),
-                                           Ws::kDqBytes);
-                        bulk_wait_source_read();
-                    }
-                    __syncwarp();
-                    named_barrier_arrive<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>();
-                }
-                // The next key block adds into the same rows: after these have landed (the
-                // deterministic order; and the additions land before the CTA goes).
-                if (lane == 0) { bulk_wait_done(); }
-            });
-        }
-        return;
     }
+};
 
-    // Consumers: threads 128..383, as threads 0..255 of the two-warpgroup MMAs.
-    cutlass::arch::warpgroup_reg_alloc<Ws::kConsumerRegisters>();
+// The producer warp: K and V of each key block (TMA, once), and each query block's Q and dO (TMA)
+// with its rows' lse * log2(e) and softmax_d (stored by the lanes, +inf / 0 past the sequence) into
+// the ring's next stage.
+template <typename Ws, bool Is_masked>
+__device__ __forceinline__ void bwd_ws_producer(const typename Ws::KernelArgs &args,
+                                                typename Ws::SharedStorage &storage,
+                                                const BwdWsSchedule<Ws, Is_masked> &schedule, const SequenceInfo &seq,
+                                                int bidb, int bidh, int lane) {
+    using Element = typename Ws::Element;
+    constexpr int kBlockM = Ws::kBlockM, kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim, kStages = Ws::kStages;
+    constexpr float kLog2e = 1.4426950408889634f;
+    const AttentionParams &params = args.params;
+    using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
+    const int bidh_k = bidh / params.heads_per_head_k;
+    Tensor mQ = args.tma_q.get_tma_tensor(q_rows_shape(params));
+    Tensor mdO = args.tma_do.get_tma_tensor(q_rows_shape(params));
+    Tensor mK = args.tma_k.get_tma_tensor(k_rows_shape(params));
+    Tensor mV = args.tma_v.get_tma_tensor(k_rows_shape(params));
+    auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+    auto tile_k = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+    Tensor gQ = local_tile(sequence_rows(mQ, seq.q_start, bidh, bidb), tile_q, make_coord(_, _0{}));
+    Tensor gdO = local_tile(sequence_rows(mdO, seq.q_start, bidh, bidb), tile_q, make_coord(_, _0{}));
+    Tensor gK = local_tile(sequence_rows(mK, seq.k_start, bidh_k, bidb), tile_k, make_coord(_, _0{}));
+    Tensor gV = local_tile(sequence_rows(mV, seq.k_start, bidh_k, bidb), tile_k, make_coord(_, _0{}));
+    auto stages = [](Element *ptr) {
+        using Layout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+        return make_tensor(make_smem_ptr(ptr), Layout{});
+    };
+    Tensor sQ = stages(storage.q.data()), sdO = stages(storage.dout.data());
+    Tensor sK = make_tensor(make_smem_ptr(storage.k.data()), typename Ws::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.v.data()), typename Ws::SmemLayoutKV{});
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] = tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                          group_modes<0, 2>(gdO));
+    auto [tKgK, tKsK] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(gV));
+    schedule.for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
+        if (range.empty()) { return; }
+        if (lane == 0) {  // K and V's buffers are free once the last key block's consumers are done
+            if (kv_iter > 0) { storage.kv_empty.wait((kv_iter - 1) % 2); }
+            storage.kv_full.arrive_and_expect_tx(2 * Ws::kBytesKV);
+            auto &barrier = reinterpret_cast<BarrierType &>(storage.kv_full);
+            copy(args.tma_k.with(barrier, 0), tKgK(_, n_block), tKsK);
+            copy(args.tma_v.with(barrier, 0), tVgV(_, n_block), tVsV);
+        }
+        for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block, ++iter) {
+            const int stage = iter % kStages;
+            if (iter >= kStages) { storage.empty[stage].wait((iter / kStages - 1) % 2); }
+            if (lane == 0) {
+                storage.full[stage].expect_transaction(2 * Ws::kBytesQdO);
+                auto &barrier = reinterpret_cast<BarrierType &>(storage.full[stage]);
+                copy(args.tma_q.with(barrier, 0), tQgQ(_, m_block), tQsQ(_, stage));
+                copy(args.tma_do.with(barrier, 0), tdOgdO(_, m_block), tdOsdO(_, stage));
+            }
+            for (int i = lane; i < kBlockM; i += 32) {
+                const int row = m_block * kBlockM + i;
+                const bool valid = row < seq.seqlen_q;
+                const int64_t idx = valid ? lse_index(params, seq, bidb, bidh, row) : 0;
+                storage.lse_log2[stage][i] = valid ? params.softmax_lse_ptr[idx] * kLog2e : INFINITY;
+                storage.softmax_d[stage][i] = valid ? params.softmax_d_ptr[idx] : 0.f;
+            }
+            storage.full[stage].arrive();  // release: the stores above are seen by the waiters
+        }
+    });
+}
+
+// The dQ warp: each dQ tile the consumers staged in shared memory, added into dq_accum (this
+// sequence's and head's rows) with one bulk reduction by lane 0.
+template <typename Ws, bool Is_masked>
+__device__ __forceinline__ void bwd_ws_dq_writer(typename Ws::SharedStorage &storage,
+                                                 const BwdWsSchedule<Ws, Is_masked> &schedule, float *dq_accum,
+                                                 int lane) {
+    constexpr int kBlockM = Ws::kBlockM, kHeadDim = Ws::kHeadDim;
+    schedule.for_each_key_block([&](int, auto const &range, int, int) {
+        for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block) {
+            named_barrier_sync<Ws::kBarrierDqFull, Ws::kDqBarrierThreads>();
+            if (lane == 0) {
+                bulk_add_to_global(dq_accum + int64_t(m_block) * kBlockM * kHeadDim, storage.dq.data(),
+                                   Ws::kDqBytes);
+                bulk_wait_source_read();
+            }
+            __syncwarp();
+            named_barrier_arrive<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>();
+        }
+        // The next key block adds into the same rows: after these have landed (the
+        // deterministic order; and the additions land before the CTA goes).
+        if (lane == 0) { bulk_wait_done(); }
+    });
+}
+
+// dK (times softmax_scale) and dV (times dv_scale) of key block n_block, from the consumers'
+// registers to the rows of the block that exist.
+template <typename Ws, typename Acc, typename TiledMma>
+__device__ __forceinline__ void bwd_ws_store_dkv(const AttentionParams &params, const SequenceInfo &seq,
+                                                 Acc const &acc_dk, Acc const &acc_dv, TiledMma const &tiled_mma_dkv,
+                                                 unsigned ctid, int n_block, int bidh, float dv_scale) {
+    using Element = typename Ws::Element;
+    constexpr int kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim;
+    const int kv_rows = seq.seqlen_k - n_block * kBlockN;
+    auto key_block_offset = [&](int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+        return seq.k_offset(batch_stride, row_stride) + int64_t(n_block) * kBlockN * row_stride +
+               int64_t(bidh) * head_stride;
+    };
+    const int64_t dk_row0 = key_block_offset(params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride);
+    const int64_t dv_row0 = key_block_offset(params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride);
+    store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, ctid, params.dk_ptr, dk_row0, params.dk_row_stride,
+                                          kv_rows, params.head_dim, params.softmax_scale);
+    store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, ctid, params.dv_ptr, dv_row0, params.dv_row_stride,
+                                          kv_rows, params.head_dim, dv_scale);
+}
+
+// The two consumer warpgroups (threads 128..383, as threads 0..255 of their MMAs): per query block,
+// S^T and dP^T, the score modifications, P^T, dropout, dS^T, dV, dK and dQ (handed to the dQ warp);
+// per key block, dK and dV out of their registers.
+template <typename Ws, bool Is_dropout, bool Is_masked>
+__device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, typename Ws::SharedStorage &storage,
+                                                 const BwdWsSchedule<Ws, Is_masked> &schedule,
+                                                 const SequenceInfo &seq, int bidb, int bidh, int64_t dq_row0) {
+    using Element = typename Ws::Element;
+    constexpr int kBlockM = Ws::kBlockM, kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim, kStages = Ws::kStages;
     const unsigned ctid = threadIdx.x - 128;
     typename Ws::TiledMmaSdP tiled_mma_sdp;
     typename Ws::TiledMmadKV tiled_mma_dkv;
@@ -333,7 +346,7 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     const Dropout dropout(params, seed, offset, bidb, bidh);
     int dq_tiles = 0;  // dQ tiles this CTA's consumers have handed to the dQ warp
 
-    for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
+    schedule.for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
         Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
         Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
         clear(acc_dk);
@@ -449,21 +462,58 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
             storage.kv_empty.arrive();
         }
 
-        const int kv_rows = seq.seqlen_k - n_block * kBlockN;
-        auto key_block_offset = [&](int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
-            return seq.k_offset(batch_stride, row_stride) + int64_t(n_block) * kBlockN * row_stride +
-                   int64_t(bidh) * head_stride;
-        };
-        const int64_t dk_row0 = key_block_offset(params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride);
-        const int64_t dv_row0 = key_block_offset(params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride);
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, ctid, params.dk_ptr, dk_row0,
-                                              params.dk_row_stride, kv_rows, params.head_dim, params.softmax_scale);
-        store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, ctid, params.dv_ptr, dv_row0,
-                                              params.dv_row_stride, kv_rows, params.head_dim,
-                                              Is_dropout ? params.inv_keep_prob : 1.f);
+        bwd_ws_store_dkv<Ws>(params, seq, acc_dk, acc_dv, tiled_mma_dkv, ctid, n_block, bidh,
+                             Is_dropout ? params.inv_keep_prob : 1.f);
     });
     // The dQ warp's last release: every arrival at a named barrier is waited for.
     if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
+}
+
+// grid (batch x heads, key blocks, or num_splits when deterministic): a CTA walks key blocks
+// blockIdx.y, + gridDim.y, ... (one unless deterministic or past 65535 blocks); heads vary fastest,
+// key blocks slowest, so that every head's heavy causal key blocks start before any light one.
+// Deterministic: each CTA adds its dQ tiles into its own dq_accum split, one key block's after the
+// last one's have landed, so every element sums in a fixed order.
+template <typename Ws, bool Is_dropout, bool Is_masked>
+__global__ void __launch_bounds__(Ws::kThreads, 1)
+flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
+#if FLASH_WGMMA_ARCH
+    const AttentionParams &params = args.params;
+    extern __shared__ __align__(1024) char smem_raw[];
+    auto &storage = *reinterpret_cast<typename Ws::SharedStorage *>(smem_raw);
+
+    if (threadIdx.x == 0) {
+        for (int stage = 0; stage < Ws::kStages; ++stage) {
+            storage.full[stage].init(32);  // every producer lane, after its lse / d stores
+            storage.empty[stage].init(Ws::kConsumerThreads);
+        }
+        storage.kv_full.init(1);
+        storage.kv_empty.init(Ws::kConsumerThreads);
+        cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();  // barriers initialised before anyone waits on them
+
+    const int bidb = int(blockIdx.x) / params.heads, bidh = int(blockIdx.x) % params.heads;
+    const SequenceInfo seq(params, bidb);
+    const BwdWsSchedule<Ws, Is_masked> schedule{params, seq};
+    // dq_accum rows of this sequence and head, in this CTA's split when deterministic.
+    const int64_t dq_row0 = seq.q_start >= 0 ? seq.q_start : int64_t(bidb) * params.seqlen_q_rounded;
+    const int split = params.deterministic ? int(blockIdx.y) : 0;
+    float *dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride +
+                      int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * Ws::kHeadDim;
+
+    if (threadIdx.x / 128 == 0) {  // the producer warpgroup: warps 0 and 1 work, 2 and 3 leave
+        cutlass::arch::warpgroup_reg_dealloc<Ws::kProducerRegisters>();
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        if (warp == 0) {
+            bwd_ws_producer<Ws>(args, storage, schedule, seq, bidb, bidh, lane);
+        } else if (warp == 1) {
+            bwd_ws_dq_writer<Ws>(storage, schedule, dq_accum, lane);
+        }
+        return;
+    }
+    cutlass::arch::warpgroup_reg_alloc<Ws::kConsumerRegisters>();
+    bwd_ws_consumers<Ws, Is_dropout>(params, storage, schedule, seq, bidb, bidh, dq_row0);
 #else
     __trap();  // only sm_90a images reach here; never leave the gradients unwritten
 #endif
