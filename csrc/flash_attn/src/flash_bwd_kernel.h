@@ -18,6 +18,7 @@
 #include "kernel_traits.h"
 #include "score_mods.h"
 #include "sequence_info.h"
+#include "softmax.h"
 #include "utils.h"
 #include "wgmma.h"
 
@@ -438,17 +439,8 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
             for (int r = 0; r < size<0>(dp); ++r) {
                 CUTE_UNROLL
                 for (int c = 0; c < size<1>(dp); ++c) {
-                    const float p = scores(r, c);
-                    float ds;
-                    if constexpr (Is_dropout) {
-                        const bool kept = p >= 0.f;
-                        ds = fabsf(p) * ((kept ? dp(r, c) * params.inv_keep_prob : 0.f) - row_d[r]);
-                        scores(r, c) = kept ? p : 0.f;  // P with dropped elements zeroed, for dV
-                    } else {
-                        ds = p * (dp(r, c) - row_d[r]);
-                    }
-                    if constexpr (Has_softcap) { ds *= float(dtanh_rc(r, c)); }
-                    dp(r, c) = ds;
+                    dp(r, c) = softmax_grad<Is_dropout, Has_softcap>(scores(r, c), dp(r, c), row_d[r],
+                                                                     params.inv_keep_prob, float(dtanh_rc(r, c)));
                 }
             }
         };

@@ -26,6 +26,7 @@
 #include "philox.h"
 #include "score_mods.h"
 #include "sequence_info.h"
+#include "softmax.h"
 #include "tma_rows.h"
 #include "utils.h"
 #include "wgmma.h"
@@ -409,15 +410,9 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                         const float row_d = storage.softmax_d[stage][get<1>(tScS_rc(0, c))];
                         CUTE_UNROLL
                         for (int r = 0; r < size<0>(dp); ++r) {
-                            const float p = scores(r, c);
-                            if constexpr (Is_dropout) {
-                                const bool kept = p >= 0.f;
-                                dp(r, c) = fabsf(p) * ((kept ? dp(r, c) * params.inv_keep_prob : 0.f) - row_d);
-                                scores(r, c) = kept ? p : 0.f;
-                            } else {
-                                dp(r, c) = p * (dp(r, c) - row_d);
-                            }
-                            if constexpr (Has_softcap) { dp(r, c) *= float(dtanh_rc(r, c)); }
+                            dp(r, c) = softmax_grad<Is_dropout, Has_softcap>(scores(r, c), dp(r, c), row_d,
+                                                                             params.inv_keep_prob,
+                                                                             float(dtanh_rc(r, c)));
                         }
                     }
                 };

@@ -1,5 +1,5 @@
 // Online softmax over key blocks: running row max and row sum, rescaling of the output
-// accumulator, and the final normalisation with the log-sum-exp.
+// accumulator, and the final normalisation with the log-sum-exp; and the softmax's gradient.
 #pragma once
 
 #include <cmath>
@@ -85,5 +85,24 @@ struct OnlineSoftmax {
         }
     }
 };
+
+// The softmax's gradient at one element, as both backward kernels take it: dS = P (dP - softmax_d),
+// softmax_d = rowsum(dO * O). With dropout, p comes negated where the forward dropped it: dS = |p|
+// (dP / keep_prob, or 0 where dropped, - softmax_d), and p becomes P with dropped elements zeroed
+// (what dV takes; its 1 / keep_prob is applied once, at the end). With softcap, times the tanh's
+// derivative.
+template <bool Is_dropout, bool Has_softcap>
+__device__ __forceinline__ float softmax_grad(float &p, float dp, float softmax_d, float inv_keep_prob, float dtanh) {
+    float ds;
+    if constexpr (Is_dropout) {
+        const bool kept = p >= 0.f;
+        ds = fabsf(p) * ((kept ? dp * inv_keep_prob : 0.f) - softmax_d);
+        p = kept ? p : 0.f;
+    } else {
+        ds = p * (dp - softmax_d);
+    }
+    if constexpr (Has_softcap) { ds *= dtanh; }
+    return ds;
+}
 
 }  // namespace flash
