@@ -9,14 +9,13 @@ default kernel's in the last bits somewhere; bitwise equal everywhere would mean
 the unset flag's dispatch.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from flash_attn.utils.testing import run_child_with_flag
 
 TESTS = Path(__file__).resolve().parent
 
@@ -89,17 +88,11 @@ def _child(tmp_path, ws, check=True):
     run the error-rule cases too (modes 1, 2 and 3)."""
     check = check and ws in (1, 2, 3)
     out_file = tmp_path / f"outs_{ws}.pt"
-    env = dict(os.environ)
-    env.pop("FLASH_ATTN_SM90_WS", None)
-    if ws is not None:
-        env["FLASH_ATTN_SM90_WS"] = str(ws)
     # The default kernel's error rule is test_flash_attn_interface's: here only its outputs.
-    run = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(out_file),
-                          "check" if check else "outputs"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert not check or ("288 padded, 96 d192/d256, 216 varlen, 12 batch-16 and 4 packed cases passed"
-                         in run.stdout), run.stdout[-3000:]
+    stdout = run_child_with_flag(CHILD, (TESTS, out_file, "check" if check else "outputs"), "FLASH_ATTN_SM90_WS",
+                                 ws, timeout=600)
+    assert not check or "288 padded, 96 d192/d256, 216 varlen, 12 batch-16 and 4 packed cases passed" in stdout, (
+        stdout[-3000:])
     return torch.load(out_file)
 
 

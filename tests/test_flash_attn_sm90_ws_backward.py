@@ -8,14 +8,13 @@ differ from the default kernel's in the last bits somewhere; bitwise equal every
 never ran) and leaves head dim 256 to the default kernel (bitwise equal).
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from flash_attn.utils.testing import run_child_with_flag
 
 TESTS = Path(__file__).resolve().parent
 
@@ -91,16 +90,10 @@ def _child(tmp_path, flag, check):
     """flag: the FLASH_ATTN_SM90_WS_BWD value, or None to leave it unset; check: run the error-rule
     cases too. Returns the child's fixed-input gradients."""
     out_file = tmp_path / f"grads_{flag}.pt"
-    env = dict(os.environ)
-    env.pop("FLASH_ATTN_SM90_WS_BWD", None)
-    if flag is not None:
-        env["FLASH_ATTN_SM90_WS_BWD"] = flag
-    run = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(out_file),
-                          "check" if check else "grads"], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert not check or ("432 padded, 72 dropout, 48 varlen, 4 batch-16 and 8 deterministic cases passed"
-                         in run.stdout), run.stdout[-3000:]
+    stdout = run_child_with_flag(CHILD, (TESTS, out_file, "check" if check else "grads"), "FLASH_ATTN_SM90_WS_BWD",
+                                 flag, timeout=900)
+    assert not check or "432 padded, 72 dropout, 48 varlen, 4 batch-16 and 8 deterministic cases passed" in stdout, (
+        stdout[-3000:])
     return torch.load(out_file)
 
 

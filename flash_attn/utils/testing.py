@@ -316,6 +316,23 @@ def rotary_tables(seqlen_ro, rotary_dim, device, dtype=torch.float32):
 # ----------------------------------------------------------------------------------------------
 
 
+def run_child_with_flag(code, args, flag_name, flag_value, timeout):
+    """Runs `python -c code *args` with the environment variable flag_name set to flag_value (or
+    unset, for None): for flags the extension reads once per process. Fails the test with the
+    child's output unless it exits 0; returns its stdout."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop(flag_name, None)
+    if flag_value is not None:
+        env[flag_name] = str(flag_value)
+    run = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
 def _free_port():
     import socket
 
