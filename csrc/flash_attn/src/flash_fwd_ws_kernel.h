@@ -46,20 +46,16 @@ struct ForwardWs {
                   "setmaxnreg would wait forever for registers the block does not have");
 
     // S = Q K^T (both from shared memory) and O += P V (P from registers), a warpgroup per 64 rows.
-    using TiledMmaS = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-        Layout<Shape<Int<kConsumers>, _1, _1>>{}));
-    using TiledMmaO = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
-                             GMMA::Major::MN>(),
-        Layout<Shape<Int<kConsumers>, _1, _1>>{}));
+    using Wgmma = ForwardWgmmaTile<Element, kConsumers, kBlockM, kBlockN, kHeadDim>;
+    using TiledMmaS = typename Wgmma::TiledMmaS;
+    using TiledMmaO = typename Wgmma::TiledMmaO;
     static_assert(size<1>(typename TiledMmaS::AtomShape_MNK{}) == kBlockN,
                   "S on one wgmma per k-slice (widths past 128 other than powers of two need "
                   "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, set by csrc/build_flags.py)");
 
-    using SmemLayoutQ = SmemKMajor<Element, kBlockM, kHeadDim>;    // A of S (queries x head dim)
-    using SmemLayoutKV = SmemKMajor<Element, kBlockN, kHeadDim>;   // one stage; K: B of S (keys x head dim)
-    using SmemLayoutVt = SmemColsMajor<Element, kBlockN, kHeadDim>;  // a V stage as B of O (head dim x keys)
+    using SmemLayoutQ = typename Wgmma::SmemLayoutQ;
+    using SmemLayoutKV = typename Wgmma::SmemLayoutK;    // one stage; K: B of S (keys x head dim)
+    using SmemLayoutVt = typename Wgmma::SmemLayoutVt;   // a V stage as B of O (head dim x keys)
     using SmemLayoutKVStages = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                                       Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
     static constexpr int kTileElems = kBlockN * kHeadDim;

@@ -86,13 +86,11 @@ struct ForwardWgmma {
     using TiledMmaO = typename Traits::TiledMma;
 };
 
-template <typename Traits>
-struct ForwardWgmma<Traits, true> {
-    using Element = typename Traits::Element;
-    static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-    static constexpr int kWarpgroups = Traits::kNWarps / 4;
-    static constexpr bool kEnabled = true;
-
+// The forward's products and operand views on wgmma for a (kBlockM queries, kBlockN keys) tile
+// whose query rows kWarpgroups warpgroups split (64 rows each, or several 64-row slices): the
+// mma.sync/wgmma kernel's (below) and the warp-specialised kernel's (flash_fwd_ws_kernel.h).
+template <typename Element, int kWarpgroups, int kBlockM, int kBlockN, int kHeadDim>
+struct ForwardWgmmaTile {
     using TiledMmaS = decltype(make_tiled_mma(
         GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
         Layout<Shape<Int<kWarpgroups>, _1, _1>>{}));
@@ -104,6 +102,13 @@ struct ForwardWgmma<Traits, true> {
     using SmemLayoutQ = SmemKMajor<Element, kBlockM, kHeadDim>;      // A of S (queries x head dim)
     using SmemLayoutK = SmemKMajor<Element, kBlockN, kHeadDim>;      // B of S (keys x head dim)
     using SmemLayoutVt = SmemColsMajor<Element, kBlockN, kHeadDim>;  // B of O (head dim x keys)
+};
+
+template <typename Traits>
+struct ForwardWgmma<Traits, true>
+    : ForwardWgmmaTile<typename Traits::Element, Traits::kNWarps / 4, Traits::kBlockM, Traits::kBlockN,
+                       Traits::kHeadDim> {
+    static constexpr bool kEnabled = true;
 };
 
 // The backward's five products: S = Q K^T and dP = dO V^T (both operands from shared memory, so
