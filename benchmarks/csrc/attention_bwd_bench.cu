@@ -6,8 +6,10 @@
 //
 //   scripts/build_bwd_bench.sh SRC_DIR OUT_BINARY   (compiles the units + this file)
 //   OUT_BINARY [head_dim ...]                       (64 and/or 128; default both)
-//   OUT_BINARY --one HEAD_DIM SEQLEN                (one non-causal case, e.g. under ncu)
+//   OUT_BINARY --one HEAD_DIM SEQLEN                (one non-causal case, e.g. under ncu;
+//                                                   FLASH_BENCH_REPS=1 for a sanitizer)
 // At seqlen 1024 the o, dq, dk, dv of (batch 0, head 0) are also checked against a plain fp32 reference.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -80,7 +82,7 @@ static float time_pass(flash::AttentionParams &params, const Buffers &buf, int r
         if (backward && memset_dq_accum) { CHECK(cudaMemsetAsync(buf.dq_accum, 0, buf.accum_bytes)); }
         launch(params, backward);
     };
-    for (int i = 0; i < 3; ++i) { once(); }
+    for (int i = 0; i < std::min(reps, 3); ++i) { once(); }
     CHECK(cudaEventRecord(start));
     for (int i = 0; i < reps; ++i) { once(); }
     CHECK(cudaEventRecord(stop));
@@ -242,7 +244,9 @@ static void run_case(int head_dim, bool causal, int seqlen) {
     params.num_splits = 1;
 
     // The forward also leaves O and the log-sum-exp the backward reads.
-    const int reps = seqlen >= 4096 ? 5 : 20;
+    // FLASH_BENCH_REPS: timed repetitions (and at most 3 warm-ups); 1 for a run under a sanitizer.
+    const char *reps_env = std::getenv("FLASH_BENCH_REPS");
+    const int reps = reps_env != nullptr ? std::max(1, std::atoi(reps_env)) : seqlen >= 4096 ? 5 : 20;
     const double fwd_flops = 4.0 * batch * double(seqlen) * seqlen * heads * head_dim / (causal ? 2 : 1);
     const float fwd_ms = time_pass(params, buf, reps, false);
     std::printf("| fwd | bf16 | %d | %s | %d | %d | %d | %.3f | %.1f |\n", head_dim, causal ? "True" : "False",
