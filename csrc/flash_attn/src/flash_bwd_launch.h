@@ -27,10 +27,7 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
     } else {
         static const bool enabled = [] {
             const char *flag = std::getenv("FLASH_ATTN_SM90_WS_BWD");
-            int device = 0, major = 0;
-            cudaGetDevice(&device);
-            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-            return major == 9 && flag != nullptr && flag[0] == '1' && flag[1] == '\0';
+            return current_device_is_sm90() && flag != nullptr && flag[0] == '1' && flag[1] == '\0';
         }();
         using Ws = BackwardWs<kHeadDim, Element>;
         if (!enabled || !Ws::supports(params)) { return false; }

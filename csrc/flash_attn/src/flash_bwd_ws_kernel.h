@@ -121,14 +121,7 @@ struct BackwardWs {
     }
 
     static bool supports(const AttentionParams &p) {
-        // The loads read each sequence's rows from its offset alone: no paged, cached (batch index,
-        // left padding) or partly used (seqused_k) keys, and q and k packed alike.
-        const bool plain_rows = (p.cu_seqlens_q == nullptr) == (p.cu_seqlens_k == nullptr) &&
-                                p.seqused_k == nullptr && p.leftpad_k == nullptr && p.kv_batch_idx == nullptr &&
-                                p.block_table == nullptr;
-        // Empty inputs: a TMA descriptor cannot have a zero dimension (the other path handles them).
-        const bool varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr;
-        return plain_rows && p.seqlen_q > 0 && p.seqlen_k > 0 && (!varlen || (p.total_q > 0 && p.total_k > 0)) &&
+        return tma_rows_cover(p) &&
                tma_loadable({p.q_ptr, p.k_ptr, p.v_ptr, p.do_ptr},
                             {p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.k_row_stride, p.k_head_stride,
                              p.k_batch_stride, p.v_row_stride, p.v_head_stride, p.v_batch_stride,

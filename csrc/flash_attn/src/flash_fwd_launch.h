@@ -49,21 +49,15 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
         constexpr int kAuto = -1;
         static const int mode = [] {
             const char *flag = std::getenv("FLASH_ATTN_SM90_WS");
-            int device = 0, major = 0;
-            cudaGetDevice(&device);
-            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-            if (major != 9) { return 0; }
+            if (!current_device_is_sm90()) { return 0; }
             if (flag == nullptr || flag[0] == '\0') { return kAuto; }
             return flag[0] >= '1' && flag[0] <= '3' && flag[1] == '\0' ? flag[0] - '0' : 0;
         }();
         const bool auto_takes_ws = kHeadDim <= 128 && params.seqlen_k >= kWsMinKeys &&
                                    !takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked);
         const int use = mode == kAuto ? (auto_takes_ws ? 2 : 0) : mode;
-        const bool covered = (params.cu_seqlens_q == nullptr) == (params.cu_seqlens_k == nullptr) &&
-                             params.seqused_k == nullptr && params.leftpad_k == nullptr &&
-                             params.kv_batch_idx == nullptr && params.block_table == nullptr &&
-                             params.num_splits == 1 && params.s_dmask_ptr == nullptr;
-        if (use == 0 || !covered) { return false; }
+        // The rest of what it does not cover is Ws::supports' (tma_rows.h).
+        if (use == 0 || params.num_splits != 1 || params.s_dmask_ptr != nullptr) { return false; }
         auto launch = [&](auto tile, auto overlap) {
             using Tile = decltype(tile);
             using Ws = ForwardWs<kHeadDim, Element, Tile::kConsumers, Tile::kBlockN>;

@@ -120,9 +120,7 @@ struct ForwardWs {
     }
 
     static bool supports(const AttentionParams &p) {
-        // Empty inputs: a TMA descriptor cannot have a zero dimension (the other path writes them).
-        const bool varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr;
-        return p.seqlen_q > 0 && p.seqlen_k > 0 && (!varlen || (p.total_q > 0 && p.total_k > 0)) &&
+        return tma_rows_cover(p) &&
                tma_loadable({p.q_ptr, p.k_ptr, p.v_ptr},
                             {p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.k_row_stride, p.k_head_stride,
                              p.k_batch_stride, p.v_row_stride, p.v_head_stride, p.v_batch_stride},

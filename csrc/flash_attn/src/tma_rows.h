@@ -52,6 +52,17 @@ __device__ __forceinline__ auto sequence_rows(TmaTensor const &m, int first_row,
     return domain_offset(make_coord(first_row < 0 ? 0 : first_row, _0{}), m(_, _, head, first_row < 0 ? batch : 0));
 }
 
+// Whether the warp-specialised kernels' TMA loads read these inputs from each sequence's offset
+// alone: q and k packed alike, no paged, cached (batch index, left padding) or partly used
+// (seqused_k) keys, and no empty tensor (a TMA descriptor cannot have a zero dimension; the default
+// kernels handle those).
+inline bool tma_rows_cover(const AttentionParams &p) {
+    const bool varlen = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr;
+    return (p.cu_seqlens_q == nullptr) == (p.cu_seqlens_k == nullptr) && p.seqused_k == nullptr &&
+           p.leftpad_k == nullptr && p.kv_batch_idx == nullptr && p.block_table == nullptr && p.seqlen_q > 0 &&
+           p.seqlen_k > 0 && (!varlen || (p.total_q > 0 && p.total_k > 0));
+}
+
 // Whether TMA can load these tensors: 16-byte aligned bases and strides (in elements of
 // elem_bytes), and the head dim a whole number of 16-byte chunks.
 inline bool tma_loadable(std::initializer_list<const void *> ptrs, std::initializer_list<int64_t> strides,
