@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Builds benchmarks/csrc/attention_bwd_bench.cu against the kernels of SRC_DIR (a copy of
 # csrc/flash_attn/src holding a kernel variant), bf16 only, for sm_90a, with setup.py's nvcc flags
-# (csrc/build_flags.py).
+# (csrc/build_flags.py). Head dims 64 and 128; BENCH_HDIM256=1 adds 256 (four more units).
 # No PyTorch needed: build variants here, carry the binaries to the GPU machine, time them there.
 #
 #   scripts/build_bwd_bench.sh SRC_DIR OUT_BINARY [JOBS (default 2)]
 set -euo pipefail
-SRC=$(cd "${1:?SRC_DIR}" && pwd); OUT=${2:?OUT_BINARY}; HDIMS=64,128; JOBS=${3:-2}
+SRC=$(cd "${1:?SRC_DIR}" && pwd); OUT=${2:?OUT_BINARY}; HDIMS=64,128; [ "${BENCH_HDIM256:-0}" = 1 ] && HDIMS=64,128,256; JOBS=${3:-2}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CUTLASS=$(python3 -c "import sys; sys.path.insert(0, '$REPO/csrc'); import build_flags as b; print(b.cutlass_include_dir())")
 python3 - "$REPO" "$SRC/generated" "$HDIMS" <<'PY'
@@ -34,7 +34,10 @@ compile_one() {
   cp "$CACHE/$key.o" "$OBJ/$name.o"; cp "$CACHE/$key.log" "$OBJ/$name.log"
 }
 export -f compile_one
-ls "$SRC"/generated/*.cu "$REPO"/benchmarks/csrc/attention_bwd_bench.cu | grep -v _dropout | \
-  xargs -P "$JOBS" -I{} bash -c 'compile_one {}'
+ls "$SRC"/generated/*.cu | grep -v _dropout | xargs -P "$JOBS" -I{} bash -c 'compile_one {}'
+# The harness itself is not cached: its head-dim list is a define.
+HARNESS_DEFINES=""; [ "${BENCH_HDIM256:-0}" = 1 ] && HARNESS_DEFINES=-DFLASH_BENCH_HDIM256
+nvcc $FLAGS $HARNESS_DEFINES -c "$REPO"/benchmarks/csrc/attention_bwd_bench.cu -o "$OBJ/attention_bwd_bench.o" \
+  >"$OBJ/attention_bwd_bench.log" 2>&1 || { cat "$OBJ/attention_bwd_bench.log"; exit 1; }
 nvcc -gencode arch=compute_90a,code=sm_90a "$OBJ"/*.o -o "$OUT"
 grep -h -A2 "flash_bwd_kernel" "$OBJ"/flash_bwd_*.log | grep -E "spill|registers" | sed 's/ptxas info    ://' || true

@@ -5,7 +5,7 @@
 // benchmark_flash_attention.py uses them.
 //
 //   scripts/build_bwd_bench.sh SRC_DIR OUT_BINARY   (compiles the units + this file)
-//   OUT_BINARY [head_dim ...]                       (64 and/or 128; default both)
+//   OUT_BINARY [head_dim ...]                       (64 and/or 128, 256 if built; default 64 128)
 //   OUT_BINARY --one HEAD_DIM SEQLEN                (one non-causal case, e.g. under ncu;
 //                                                   FLASH_BENCH_REPS=1 for a sanitizer)
 // At seqlen 1024 the o, dq, dk, dv of (batch 0, head 0) are also checked against a plain fp32 reference.
@@ -44,7 +44,13 @@ static void launch(flash::AttentionParams &params, bool backward) {
 }
 
 static void launch(flash::AttentionParams &params, bool backward) {
-    if (params.head_dim == 64) { launch<64>(params, backward); } else { launch<128>(params, backward); }
+    switch (params.head_dim) {
+        case 64: return launch<64>(params, backward);
+#ifdef FLASH_BENCH_HDIM256  // built with BENCH_HDIM256=1
+        case 256: return launch<256>(params, backward);
+#endif
+        default: return launch<128>(params, backward);
+    }
 }
 
 #define CHECK(x)                                                                                   \
@@ -270,10 +276,21 @@ int main(int argc, char **argv) {
     }
     for (int i = 1; i < argc; ++i) { head_dims.push_back(std::atoi(argv[i])); }
     if (head_dims.empty()) { head_dims = {64, 128}; }
+    for (int d : head_dims) {
+#ifdef FLASH_BENCH_HDIM256
+        const bool built = d == 64 || d == 128 || d == 256;
+#else
+        const bool built = d == 64 || d == 128;
+#endif
+        if (!built) {
+            std::fprintf(stderr, "head_dim %d: this harness was built for 64 and 128 (and 256 with BENCH_HDIM256=1)\n", d);
+            return 2;
+        }
+    }
     std::printf("| pass | dtype | d | causal | seqlen | batch | heads | ms | TFLOP/s |\n|---|---|---|---|---|---|---|---|---|\n");
     for (int d : head_dims) {
         for (bool causal : {false, true}) {
-            for (int seqlen : {1024, 4096, 16384}) { run_case(d, causal, seqlen); }
+            for (int seqlen : {1024, 2048, 4096, 16384}) { run_case(d, causal, seqlen); }
         }
     }
     return 0;
