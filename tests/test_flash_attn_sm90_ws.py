@@ -1,5 +1,5 @@
 """The warp-specialised sm90 forward (FLASH_ATTN_SM90_WS=1 its plain consumer loop, 2 the
-overlapped ping-pong one, 3 that on the wide tile, unset mode 2 from 2K keys; the binding reads the
+overlapped ping-pong one, 3 that on the wide tile, unset the tile ws_forward_auto_mode picks; the binding reads the
 flag once per process, so the cases run in child processes): flash-attn's error rule against the
 fp32 reference for every score modifier and head layout it covers, padded and varlen
 (test_flash_attn_interface's _run_and_check and test_varlen), batches with more work units than SMs
@@ -37,7 +37,7 @@ CHILD = textwrap.dedent("""
         torch.manual_seed(sq * 7 + sk + d)
         _run_and_check(2, sq, sk, d, dtype, mha_type, causal, local, alibi, softcap, 0.0)
         cases += 1
-    # Head dims 192 and 256 (64-key blocks), which only the flag sends to this kernel.
+    # Head dims 192 and 256 (64-key blocks; 112 and 80 on the wide tile).
     wide = 0
     for d, mha_type, (causal, local), (alibi, softcap), (sq, sk) in itertools.product(
             (192, 256), ("mha", "gqa"), ((False, False), (True, False), (False, True), (True, True)),
@@ -73,7 +73,8 @@ CHILD = textwrap.dedent("""
         packed += 1
     outs = {}
     for d, causal, (sq, sk) in itertools.product(
-            (64, 128, 256), (False, True), ((1000, 1000), (2048, 2048), (8192, 8192), (1, 8192), (64, 8192))):
+            (64, 128, 192, 256), (False, True),
+            ((1000, 1000), (2048, 2048), (8192, 8192), (1, 8192), (64, 8192))):
         torch.manual_seed(d)
         q = torch.randn(1, sq, 4, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, sk, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -96,12 +97,27 @@ def _child(tmp_path, ws, check=True):
     return torch.load(out_file)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", [1, 2, 3])
-def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path, mode):
+@pytest.fixture(scope="module")
+def outs_by_mode(tmp_path_factory):
+    """The children's fixed-input outputs by flag value, each child run once per module and worker
+    (modes 1-3 with the error-rule cases unless check=False)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward is sm90 only")
-    ws, default = _child(tmp_path, mode), _child(tmp_path, 0)
+    cache = {}
+
+    def get(ws, check=True):  # check=False: the outputs alone (a checked child's serve as well)
+        if (ws, True) in cache:
+            return cache[ws, True]
+        if (ws, check) not in cache:
+            cache[ws, check] = _child(tmp_path_factory.mktemp("ws_fwd"), ws, check)
+        return cache[ws, check]
+    return get
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(outs_by_mode, mode):
+    ws, default = outs_by_mode(mode), outs_by_mode(0)
     assert ws.keys() == default.keys()
     for key in ws:
         torch.testing.assert_close(ws[key], default[key], atol=4e-3, rtol=0)
@@ -109,19 +125,30 @@ def test_ws_forward_meets_the_error_rule_and_is_a_different_kernel(tmp_path, mod
         f"FLASH_ATTN_SM90_WS={mode} gave bitwise the default kernel's outputs: the flag did nothing")
 
 
+def _auto_mode(d, causal, sq, sk):
+    """flash_fwd_launch.h's ws_forward_auto_mode, with the decode tile's exception."""
+    if sq <= 64 and not causal:
+        return 0
+    if d <= 64:
+        return 0 if sk < 2048 else 2 if causal and sk < 4096 else 3
+    if d <= 128:
+        return 2 if sk >= 2048 else 0
+    return 0 if sk < 1024 else 2 if causal else 3
+
+
 @pytest.mark.gpu
-def test_unset_flag_takes_mode_2_from_2k_keys(tmp_path):
-    """FLASH_ATTN_SM90_WS unset: the default kernel below 2K keys, where it takes the decode tile
-    (<= 64 queries, no mask) and at head dims past 128, mode 2 otherwise from 2K keys (bitwise
-    each)."""
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the warp-specialised forward is sm90 only")
-    auto, off, ws = (_child(tmp_path, flag, check=False) for flag in (None, 0, 2))
+def test_unset_flag_takes_the_auto_mode(outs_by_mode):
+    """FLASH_ATTN_SM90_WS unset: the default kernel below the lengths ws_forward_auto_mode names and
+    where it takes the decode tile (<= 64 queries, no mask), mode 2 or 3 otherwise (bitwise each)."""
+    auto = outs_by_mode(None)
     for d, causal, sq, sk in auto:
-        decode_tile = sq <= 64 and not causal
-        expected = ws if sk >= 2048 and not decode_tile and d <= 128 else off
+        expected = outs_by_mode(_auto_mode(d, causal, sq, sk), check=False)
         assert torch.equal(auto[d, causal, sq, sk], expected[d, causal, sq, sk]), (d, causal, sq, sk)
-    # Where auto takes mode 2 the outputs tell the kernels apart. On the decode-shaped calls they do
-    # not (on the H200 mode 2 and the decode tile agree bitwise there: one query block, 128-key
-    # blocks both): there auto == default checks the result, not which kernel ran.
-    assert any(not torch.equal(ws[key], off[key]) for key in ws if key[3] >= 2048 and key[2] > 64 and key[0] <= 128)
+    # Where auto takes a warp-specialised mode the outputs tell the kernels apart. On the
+    # decode-shaped calls they do not (on the H200 mode 2 and the decode tile agree bitwise there:
+    # one query block, 128-key blocks both): there auto == default checks the result, not which
+    # kernel ran.
+    off = outs_by_mode(0)
+    for mode in (2, 3):
+        assert any(not torch.equal(auto[key], off[key]) for key in auto
+                   if _auto_mode(*key) == mode and key[2] > 64), mode

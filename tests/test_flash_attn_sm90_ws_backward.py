@@ -5,7 +5,8 @@ head layout and score modifier it covers (masks, ALiBi, softcap), padded and var
 more CTAs than SMs, dropout (the forward's mask redrawn on the transposed tile), the deterministic
 mode bitwise repeatable; proof that the flag changes the kernel where it covers the call (gradients
 differ from the default kernel's in the last bits somewhere; bitwise equal everywhere would mean it
-never ran) and leaves head dim 256 to the default kernel (bitwise equal).
+never ran) and leaves head dim 256 to the default kernel (bitwise equal); unset, it runs at head dim
+128 from 4K keys only.
 """
 
 import textwrap
@@ -70,7 +71,7 @@ CHILD = textwrap.dedent("""
     # head dim 256, which the flag leaves to the default kernel.
     grads = {}
     for d, causal, (sq, sk), extra in itertools.product(
-            (64, 128, 256), (False, True), ((113, 203), (1000, 1000), (2048, 2048)),
+            (64, 128, 256), (False, True), ((113, 203), (1000, 1000), (2048, 2048), (4096, 4096)),
             ("plain", "softcap", "dropout", "deterministic")):
         torch.manual_seed(d + sq)
         q, k, v = (torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -97,18 +98,56 @@ def _child(tmp_path, flag, check):
     return torch.load(out_file)
 
 
-@pytest.mark.gpu
-def test_ws_backward_meets_the_error_rule_and_is_a_different_kernel(tmp_path):
-    if torch.cuda.get_device_capability()[0] != 9:
+def _bitwise_stable(key, name):
+    """Whether a gradient repeats bitwise from run to run: dk and dv (each key block's CTA owns
+    them), and dq only in the deterministic mode (else the key blocks' dQ tiles are added in
+    whatever order they finish)."""
+    return name != "dq" or key[4] == "deterministic"
+
+
+@pytest.fixture(scope="module")
+def grads_by_flag(tmp_path_factory):
+    """The children's fixed-input gradients by flag value, each child run once per module and worker
+    (the one with the flag set also runs the error-rule cases, unless check=False)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised backward is sm90 only")
-    ws, default = _child(tmp_path, "1", check=True), _child(tmp_path, None, check=False)
+    cache = {}
+
+    def get(flag, check=None):  # check: by default with the flag set; a checked child serves as well
+        check = flag == "1" if check is None else check
+        if (flag, True) in cache:
+            return cache[flag, True]
+        if (flag, check) not in cache:
+            cache[flag, check] = _child(tmp_path_factory.mktemp("ws_bwd"), flag, check)
+        return cache[flag, check]
+    return get
+
+
+@pytest.mark.gpu
+def test_ws_backward_meets_the_error_rule_and_is_a_different_kernel(grads_by_flag):
+    ws, default = grads_by_flag("1"), grads_by_flag("0")
     assert ws.keys() == default.keys()
     for key in ws:
         for name, ours, theirs in zip(("dq", "dk", "dv"), ws[key], default[key]):
-            if key[0] == 256:
+            if key[0] == 256 and _bitwise_stable(key, name):
                 assert torch.equal(ours, theirs), f"{key} {name}: the flag must leave this call to the default kernel"
             else:  # both meet the error rule (above and in test_flash_attn_backward): they agree closely
                 scale = theirs.abs().max().item()
                 assert (ours.float() - theirs.float()).abs().max().item() <= 2e-2 * scale + 1e-3, (key, name)
     assert any(not torch.equal(a, b) for key in ws if key[0] != 256 for a, b in zip(ws[key], default[key])), (
         "FLASH_ATTN_SM90_WS_BWD=1 gave bitwise the default kernel's gradients: the flag did nothing")
+
+
+@pytest.mark.gpu
+def test_unset_flag_takes_the_ws_backward_at_d128_from_4k_keys(grads_by_flag):
+    """FLASH_ATTN_SM90_WS_BWD unset: the warp-specialised kernel at head dim 128 from 4K keys, the
+    key-block kernel everywhere else (bitwise each)."""
+    auto, ws, off = grads_by_flag(None), grads_by_flag("1", check=False), grads_by_flag("0")
+    for key in auto:
+        d, causal, (sq, sk), extra = key[0], key[1], key[2:4], key[4]
+        expected = ws if d == 128 and sk >= 4096 else off
+        for name, ours, theirs in zip(("dq", "dk", "dv"), auto[key], expected[key]):
+            assert not _bitwise_stable(key, name) or torch.equal(ours, theirs), (key, name)
+    # and the two kernels differ on the calls that tell them apart
+    assert any(not torch.equal(a, b) for key in auto if key[0] == 128 and key[3] >= 4096
+               for a, b in zip(auto[key], off[key]))

@@ -17,20 +17,28 @@ namespace flash {
 
 constexpr int kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the kernel strides past it
 
-// The warp-specialised sm90 backward (flash_bwd_ws_kernel.h) for the calls it covers, with
-// FLASH_ATTN_SM90_WS_BWD=1 (read once per process; else, and for everything it does not cover, the
-// key-block kernel runs). Returns whether it ran.
+// The warp-specialised sm90 backward (flash_bwd_ws_kernel.h) for the calls it covers (else the
+// key-block kernel runs): from kWsBwdMinKeys keys at head dim 128, or as FLASH_ATTN_SM90_WS_BWD says
+// (read once per process: 0 never, 1 wherever it covers). On the H200 it beat the key-block kernel
+// by 7-20% at d128 from 4K keys and lost by 5-8% at 1K and 2K; at d64 it lost by 5-20% (its 64-row
+// query blocks give the consumers too little work per barrier).
+constexpr int kWsBwdMinKeys = 4096;
+
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
     if constexpr (kHeadDim != 64 && kHeadDim != 128) {
         return false;
     } else {
-        static const bool enabled = [] {
+        constexpr int kAuto = -1;
+        static const int mode = [] {
             const char *flag = std::getenv("FLASH_ATTN_SM90_WS_BWD");
-            return current_device_is_sm90() && flag != nullptr && flag[0] == '1' && flag[1] == '\0';
+            if (!current_device_is_sm90()) { return 0; }
+            if (flag == nullptr || flag[0] == '\0') { return kAuto; }
+            return flag[0] == '1' && flag[1] == '\0' ? 1 : 0;
         }();
+        const bool use = mode == kAuto ? kHeadDim == 128 && params.seqlen_k >= kWsBwdMinKeys : mode == 1;
         using Ws = BackwardWs<kHeadDim, Element>;
-        if (!enabled || !Ws::supports(params)) { return false; }
+        if (!use || !Ws::supports(params)) { return false; }
         auto kernel = &flash_bwd_ws_kernel<Ws, Is_dropout, Is_masked>;
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
                    "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised backward kernel");

@@ -31,8 +31,26 @@ void launch_fwd(AttentionParams &params, cudaStream_t stream) {
 }
 
 // The warp-specialised sm90 forward (flash_fwd_ws_kernel.h) for the inputs it covers (else the
-// default kernel runs): from kWsMinKeys keys at head dims 64 and 128, or as FLASH_ATTN_SM90_WS says.
+// default kernel runs), on the tile ws_forward_auto_mode picks, or as FLASH_ATTN_SM90_WS says.
+// The choice, from the H200 (torch-free harness, bf16, 16K tokens a batch, each mode back to back):
+//  - d64: the wide tile (three consumers) from 2K keys unmasked (+11-14% over the default tile,
+//    which beat the default kernel), from 4K causal (at 2K causal it lost 8%);
+//  - d128: the default tile from 2K keys (the wide one was 3-6% slower below 16K);
+//  - d192 / d256: from 1K keys, the wide tile unmasked (d256: 1.14-1.44x the default kernel) and the
+//    default tile causal (1.11-1.35x; the wide one was 4-10% slower there).
+// Below those lengths, and where the default kernel takes the decode tile (its 128 rows would be
+// mostly empty), the default kernel.
 constexpr int kWsMinKeys = 2048;
+
+__host__ constexpr int ws_forward_auto_mode(int head_dim, bool masked, int seqlen_k) {
+    if (head_dim <= 64) {
+        if (seqlen_k < kWsMinKeys) { return 0; }
+        return masked && seqlen_k < 2 * kWsMinKeys ? 2 : 3;
+    }
+    if (head_dim <= 128) { return seqlen_k >= kWsMinKeys ? 2 : 0; }
+    if (seqlen_k < kWsMinKeys / 2) { return 0; }
+    return masked ? 2 : 3;
+}
 
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
@@ -40,12 +58,8 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
         return false;
     } else {
         // FLASH_ATTN_SM90_WS: 0 never, 1 the plain consumer loop, 2 the overlapped, ping-pong one,
-        // 3 that on the wide tile (WsForwardTile; not yet measured); unset, mode 2 from 2K keys (max
-        // over the batch, so plain and varlen calls of the same lengths agree) at head dims 64 and
-        // 128: on the H200 it matched or beat the default kernel at every measured shape from 2K (at
-        // d64 s1k it lost by 1-5%), except where the default takes the decode tile (its 128 rows
-        // would be mostly empty). Head dims 192 and 256 take it only with the flag set (not yet
-        // measured).
+        // 3 that on the wide tile (WsForwardTile); unset, ws_forward_auto_mode (lengths: the max
+        // over the batch, so plain and varlen calls of the same lengths agree).
         constexpr int kAuto = -1;
         static const int mode = [] {
             const char *flag = std::getenv("FLASH_ATTN_SM90_WS");
@@ -53,9 +67,9 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
             if (flag == nullptr || flag[0] == '\0') { return kAuto; }
             return flag[0] >= '1' && flag[0] <= '3' && flag[1] == '\0' ? flag[0] - '0' : 0;
         }();
-        const bool auto_takes_ws = kHeadDim <= 128 && params.seqlen_k >= kWsMinKeys &&
-                                   !takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked);
-        const int use = mode == kAuto ? (auto_takes_ws ? 2 : 0) : mode;
+        const int auto_mode = takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked)
+                                  ? 0 : ws_forward_auto_mode(kHeadDim, Is_masked, params.seqlen_k);
+        const int use = mode == kAuto ? auto_mode : mode;
         // The rest of what it does not cover is Ws::supports' (tma_rows.h).
         if (use == 0 || params.num_splits != 1 || params.s_dmask_ptr != nullptr) { return false; }
         auto launch = [&](auto tile, auto overlap) {
