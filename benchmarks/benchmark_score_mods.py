@@ -91,7 +91,10 @@ def main():
         device, dtype, timer = "cuda", torch.bfloat16, time_ms
         seqlens, tokens, hidden, d = [int(s) for s in (args.seqlens or "2048,8192").split(",")], TOKENS, HIDDEN, \
             HEAD_DIM
-        ours, flex = flash_attn_func, torch.compile(flex_attention, dynamic=False)
+        ours, flex = flash_attn_func, None  # compiled afresh for each case, below
+        # Past dynamo's recompile limit FlexAttention silently ran eagerly (6-12 TFLOP/s at s8k, in
+        # one run's ALiBi and softcap cases): a peer that fails to compile must stop the run instead.
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     heads = hidden // d
     rows, series, worst = [], {}, {}
     for seqlen in seqlens:
@@ -102,6 +105,9 @@ def main():
                        for _ in range(3))
             # FlexAttention takes (b, h, s, d); contiguous in that layout so it copies nothing.
             qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(backward) for x in (q, k, v))
+            if device == "cuda":  # each case's own compilation: the cases' graphs do not pile up
+                torch._dynamo.reset()
+                flex = torch.compile(flex_attention, dynamic=False)
             flex_call = flex_fn(flex, create_block_mask, batch, heads, seqlen, window, score_mod, device)
             fns = {"ours": ((q, k, v), lambda: ours(q, k, v, causal=True, **kwargs)),
                    "flex": ((qt, kt, vt), lambda: flex_call(qt, kt, vt))}
