@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_attn.utils.testing import run_child_with_flag
+from flash_attn.utils.testing import cached_child_results, run_child_with_flag
 
 TESTS = Path(__file__).resolve().parent
 
@@ -103,15 +103,8 @@ def outs_by_mode(tmp_path_factory):
     (modes 1-3 with the error-rule cases unless check=False)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised forward is sm90 only")
-    cache = {}
-
-    def get(ws, check=True):  # check=False: the outputs alone (a checked child's serve as well)
-        if (ws, True) in cache:
-            return cache[ws, True]
-        if (ws, check) not in cache:
-            cache[ws, check] = _child(tmp_path_factory.mktemp("ws_fwd"), ws, check)
-        return cache[ws, check]
-    return get
+    get = cached_child_results(lambda ws, check: _child(tmp_path_factory.mktemp("ws_fwd"), ws, check))
+    return lambda ws, check=True: get(ws, check)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_attn.utils.testing import run_child_with_flag
+from flash_attn.utils.testing import cached_child_results, run_child_with_flag
 
 TESTS = Path(__file__).resolve().parent
 
@@ -111,16 +111,8 @@ def grads_by_flag(tmp_path_factory):
     (the one with the flag set also runs the error-rule cases, unless check=False)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised backward is sm90 only")
-    cache = {}
-
-    def get(flag, check=None):  # check: by default with the flag set; a checked child serves as well
-        check = flag == "1" if check is None else check
-        if (flag, True) in cache:
-            return cache[flag, True]
-        if (flag, check) not in cache:
-            cache[flag, check] = _child(tmp_path_factory.mktemp("ws_bwd"), flag, check)
-        return cache[flag, check]
-    return get
+    get = cached_child_results(lambda flag, check: _child(tmp_path_factory.mktemp("ws_bwd"), flag, check))
+    return lambda flag, check=None: get(flag, flag == "1" if check is None else check)
 
 
 @pytest.mark.gpu
@@ -144,7 +136,7 @@ def test_unset_flag_takes_the_ws_backward_at_d128_from_4k_keys(grads_by_flag):
     key-block kernel everywhere else (bitwise each)."""
     auto, ws, off = grads_by_flag(None), grads_by_flag("1", check=False), grads_by_flag("0")
     for key in auto:
-        d, causal, (sq, sk), extra = key[0], key[1], key[2:4], key[4]
+        d, sk = key[0], key[3]
         expected = ws if d == 128 and sk >= 4096 else off
         for name, ours, theirs in zip(("dq", "dk", "dv"), auto[key], expected[key]):
             assert not _bitwise_stable(key, name) or torch.equal(ours, theirs), (key, name)

@@ -10,6 +10,7 @@
 //                                                   FLASH_BENCH_REPS=1 for a sanitizer)
 // At seqlen 1024 the o, dq, dk, dv of (batch 0, head 0) are also checked against a plain fp32 reference.
 #include <algorithm>
+#include <iterator>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -43,10 +44,17 @@ static void launch(flash::AttentionParams &params, bool backward) {
     }
 }
 
+// The head dims this binary links (main rejects any other before launch falls back to 128).
+#ifdef FLASH_BENCH_HDIM256  // built with BENCH_HDIM256=1
+constexpr int kBuiltHeadDims[] = {64, 128, 256};
+#else
+constexpr int kBuiltHeadDims[] = {64, 128};
+#endif
+
 static void launch(flash::AttentionParams &params, bool backward) {
     switch (params.head_dim) {
         case 64: return launch<64>(params, backward);
-#ifdef FLASH_BENCH_HDIM256  // built with BENCH_HDIM256=1
+#ifdef FLASH_BENCH_HDIM256
         case 256: return launch<256>(params, backward);
 #endif
         default: return launch<128>(params, backward);
@@ -277,12 +285,7 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; ++i) { head_dims.push_back(std::atoi(argv[i])); }
     if (head_dims.empty()) { head_dims = {64, 128}; }
     for (int d : head_dims) {
-#ifdef FLASH_BENCH_HDIM256
-        const bool built = d == 64 || d == 128 || d == 256;
-#else
-        const bool built = d == 64 || d == 128;
-#endif
-        if (!built) {
+        if (std::find(std::begin(kBuiltHeadDims), std::end(kBuiltHeadDims), d) == std::end(kBuiltHeadDims)) {
             std::fprintf(stderr, "head_dim %d: this harness was built for 64 and 128 (and 256 with BENCH_HDIM256=1)\n", d);
             return 2;
         }

@@ -333,6 +333,21 @@ def run_child_with_flag(code, args, flag_name, flag_value, timeout):
     return run.stdout
 
 
+def cached_child_results(run):
+    """get(flag, check): run(flag, check)'s result, each (flag, check) run once; a checked run's
+    result (check=True: the child also ran its error-rule cases) serves an unchecked request too.
+    For a module-scoped fixture, so that tests sharing a child process's results start it once."""
+    cache = {}
+
+    def get(flag, check):
+        if (flag, True) in cache:
+            return cache[flag, True]
+        if (flag, check) not in cache:
+            cache[flag, check] = run(flag, check)
+        return cache[flag, check]
+    return get
+
+
 def _free_port():
     import socket
 

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "cuda_check.h"
 #include "flash.h"
@@ -29,14 +28,8 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
     if constexpr (kHeadDim != 64 && kHeadDim != 128) {
         return false;
     } else {
-        constexpr int kAuto = -1;
-        static const int mode = [] {
-            const char *flag = std::getenv("FLASH_ATTN_SM90_WS_BWD");
-            if (!current_device_is_sm90()) { return 0; }
-            if (flag == nullptr || flag[0] == '\0') { return kAuto; }
-            return flag[0] == '1' && flag[1] == '\0' ? 1 : 0;
-        }();
-        const bool use = mode == kAuto ? kHeadDim == 128 && params.seqlen_k >= kWsBwdMinKeys : mode == 1;
+        static const int mode = sm90_ws_flag("FLASH_ATTN_SM90_WS_BWD", 1);
+        const bool use = mode == kWsAuto ? kHeadDim == 128 && params.seqlen_k >= kWsBwdMinKeys : mode == 1;
         using Ws = BackwardWs<kHeadDim, Element>;
         if (!use || !Ws::supports(params)) { return false; }
         auto kernel = &flash_bwd_ws_kernel<Ws, Is_dropout, Is_masked>;

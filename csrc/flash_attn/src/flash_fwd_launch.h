@@ -3,7 +3,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "cuda_check.h"
@@ -60,16 +59,11 @@ bool launch_fwd_ws(AttentionParams &params, cudaStream_t stream) {
         // FLASH_ATTN_SM90_WS: 0 never, 1 the plain consumer loop, 2 the overlapped, ping-pong one,
         // 3 that on the wide tile (WsForwardTile); unset, ws_forward_auto_mode (lengths: the max
         // over the batch, so plain and varlen calls of the same lengths agree).
-        constexpr int kAuto = -1;
-        static const int mode = [] {
-            const char *flag = std::getenv("FLASH_ATTN_SM90_WS");
-            if (!current_device_is_sm90()) { return 0; }
-            if (flag == nullptr || flag[0] == '\0') { return kAuto; }
-            return flag[0] >= '1' && flag[0] <= '3' && flag[1] == '\0' ? flag[0] - '0' : 0;
-        }();
-        const int auto_mode = takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked)
-                                  ? 0 : ws_forward_auto_mode(kHeadDim, Is_masked, params.seqlen_k);
-        const int use = mode == kAuto ? auto_mode : mode;
+        static const int mode = sm90_ws_flag("FLASH_ATTN_SM90_WS", 3);
+        const int use = mode != kWsAuto ? mode
+                        : takes_decode_tile(params.seqlen_q, Is_dropout, Is_masked)
+                            ? 0
+                            : ws_forward_auto_mode(kHeadDim, Is_masked, params.seqlen_k);
         // The rest of what it does not cover is Ws::supports' (tma_rows.h).
         if (use == 0 || params.num_splits != 1 || params.s_dmask_ptr != nullptr) { return false; }
         auto launch = [&](auto tile, auto overlap) {
