@@ -5,8 +5,8 @@ head layout and score modifier it covers (masks, ALiBi, softcap), padded and var
 more CTAs than SMs, dropout (the forward's mask redrawn on the transposed tile), the deterministic
 mode bitwise repeatable; proof that the flag changes the kernel where it covers the call (gradients
 differ from the default kernel's in the last bits somewhere; bitwise equal everywhere would mean it
-never ran) and leaves head dim 256 to the default kernel (bitwise equal); unset, it runs at head dim
-128 from 4K keys only.
+never ran) and leaves head dim 256 to the default kernel (bitwise equal); unset, it runs where
+flash_bwd_launch.h's ws_bwd_min_keys says (_ws_backward_by_default).
 """
 
 import textwrap
@@ -71,7 +71,7 @@ CHILD = textwrap.dedent("""
     # head dim 256, which the flag leaves to the default kernel.
     grads = {}
     for d, causal, (sq, sk), extra in itertools.product(
-            (64, 128, 256), (False, True), ((113, 203), (1000, 1000), (2048, 2048), (4096, 4096)),
+            (64, 128, 256), (False, True), ((113, 203), (1024, 1024), (2048, 2048), (4096, 4096)),
             ("plain", "softcap", "dropout", "deterministic")):
         torch.manual_seed(d + sq)
         q, k, v = (torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -130,16 +130,23 @@ def test_ws_backward_meets_the_error_rule_and_is_a_different_kernel(grads_by_fla
         "FLASH_ATTN_SM90_WS_BWD=1 gave bitwise the default kernel's gradients: the flag did nothing")
 
 
+def _ws_backward_by_default(d, causal, sk):
+    """flash_bwd_launch.h's ws_bwd_min_keys: head dims 64 and 128 from 2K keys, 128 unmasked from 1K."""
+    return d in (64, 128) and sk >= (1024 if d == 128 and not causal else 2048)
+
+
 @pytest.mark.gpu
-def test_unset_flag_takes_the_ws_backward_at_d128_from_4k_keys(grads_by_flag):
-    """FLASH_ATTN_SM90_WS_BWD unset: the warp-specialised kernel at head dim 128 from 4K keys, the
-    key-block kernel everywhere else (bitwise each)."""
+def test_unset_flag_takes_the_ws_backward_where_the_rule_says(grads_by_flag):
+    """FLASH_ATTN_SM90_WS_BWD unset: the warp-specialised kernel where _ws_backward_by_default says,
+    the key-block kernel everywhere else (bitwise each)."""
     auto, ws, off = grads_by_flag(None), grads_by_flag("1", check=False), grads_by_flag("0")
+    chosen = {key: _ws_backward_by_default(key[0], key[1], key[3]) for key in auto}
+    assert any(chosen.values()) and not all(chosen.values())
     for key in auto:
-        d, sk = key[0], key[3]
-        expected = ws if d == 128 and sk >= 4096 else off
+        expected = ws if chosen[key] else off
         for name, ours, theirs in zip(("dq", "dk", "dv"), auto[key], expected[key]):
             assert not _bitwise_stable(key, name) or torch.equal(ours, theirs), (key, name)
-    # and the two kernels differ on the calls that tell them apart
-    assert any(not torch.equal(a, b) for key in auto if key[0] == 128 and key[3] >= 4096
-               for a, b in zip(auto[key], off[key]))
+    # and the two kernels differ on the calls that tell them apart (dk, dv), at both head dims
+    for d in (64, 128):
+        assert any(not torch.equal(a, b) for key in auto if key[0] == d and chosen[key]
+                   for a, b in zip(auto[key][1:], off[key][1:])), d

@@ -526,21 +526,18 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     }
 }
 
-// grid (batch x heads, splits or key blocks): a CTA walks key blocks blockIdx.y, + gridDim.y, ...
-// (one block unless deterministic or past 65535 blocks), adding dQ into its own dq_accum split
-// when deterministic. The key blocks vary slowest, so every head's first blocks start before any
-// head's last: under a causal mask the first key blocks see the most queries, and the light ones
-// then fill the grid's tail. Heads vary fastest so that one GQA group's CTAs run side by side.
+// grid: BackwardCta's (block_range.h); a CTA adds dQ into its own dq_accum split when
+// deterministic.
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
 flash_bwd_kernel(const __grid_constant__ AttentionParams params) {
     extern __shared__ __align__(1024) char smem[];  // 1024: the swizzled tiles as wgmma reads them
-    const int bidb = int(blockIdx.x) / params.heads, bidh = int(blockIdx.x) % params.heads;
-    const SequenceInfo seq(params, bidb);
+    const BackwardCta cta = BackwardCta::make(params);
+    const SequenceInfo seq(params, cta.bidb);
     const int n_blocks = ceil_div(seq.seqlen_k, Traits::kBlockN);
-    const int split = params.deterministic ? int(blockIdx.y) : 0;
-    for (int n_block = blockIdx.y; n_block < n_blocks; n_block += gridDim.y) {
-        bwd_key_block<Traits, Is_dropout, Is_masked>(params, seq, n_block, bidb, bidh, split, smem);
+    const int split = params.deterministic ? cta.split : 0;
+    for (int n_block = cta.split; n_block < n_blocks; n_block += cta.splits) {
+        bwd_key_block<Traits, Is_dropout, Is_masked>(params, seq, n_block, cta.bidb, cta.bidh, split, smem);
         __syncthreads();  // the next key block reuses the shared memory
     }
 }

@@ -3,8 +3,6 @@
 // x dropout x mask).
 #pragma once
 
-#include <algorithm>
-
 #include "cuda_check.h"
 #include "flash.h"
 #include "flash_bwd_kernel.h"
@@ -14,14 +12,12 @@
 
 namespace flash {
 
-constexpr int kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the kernel strides past it
-
 // The warp-specialised sm90 backward (flash_bwd_ws_kernel.h) for the calls it covers (else the
-// key-block kernel runs): from kWsBwdMinKeys keys at head dim 128, or as FLASH_ATTN_SM90_WS_BWD says
-// (read once per process: 0 never, 1 wherever it covers). On the H200 it beat the key-block kernel
-// by 7-20% at d128 from 4K keys and lost by 5-8% at 1K and 2K; at d64 it lost by 5-20% (its 64-row
-// query blocks give the consumers too little work per barrier).
-constexpr int kWsBwdMinKeys = 4096;
+// key-block kernel runs): from ws_bwd_min_keys keys, or as FLASH_ATTN_SM90_WS_BWD says (read once
+// per process: 0 never, 1 wherever it covers). On the H200 (harness, bf16, both kernels on
+// BackwardCta's grid) it beat the key-block kernel from 2K keys by 4-16% at d64 and 9-27% at
+// d128, and at 1K by 8% at d128 unmasked; it lost 2-4% at 1K otherwise.
+constexpr int ws_bwd_min_keys(int head_dim, bool masked) { return head_dim == 128 && !masked ? 1024 : 2048; }
 
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
@@ -29,7 +25,7 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
         return false;
     } else {
         static const int mode = sm90_ws_flag("FLASH_ATTN_SM90_WS_BWD", 1);
-        const bool use = mode == kWsAuto ? kHeadDim == 128 && params.seqlen_k >= kWsBwdMinKeys : mode == 1;
+        const bool use = mode == kWsAuto ? params.seqlen_k >= ws_bwd_min_keys(kHeadDim, Is_masked) : mode == 1;
         using Ws = BackwardWs<kHeadDim, Element>;
         if (!use || !Ws::supports(params)) { return false; }
         auto kernel = &flash_bwd_ws_kernel<Ws, Is_dropout, Is_masked>;
@@ -37,9 +33,8 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
                    "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised backward kernel");
         const typename Ws::KernelArgs args = Ws::make_args(params);
         const int n_blocks = ceil_div(params.seqlen_k, Ws::kBlockN);
-        const int key_splits = params.deterministic ? params.num_splits : std::min(n_blocks, kMaxGridY);
-        const dim3 grid(unsigned(params.batch) * unsigned(params.heads), key_splits);
-        kernel<<<grid, Ws::kThreads, Ws::kSmemSize, stream>>>(args);
+        const int key_splits = params.deterministic ? params.num_splits : n_blocks;
+        kernel<<<bwd_grid_size(params, key_splits), Ws::kThreads, Ws::kSmemSize, stream>>>(args);
         check_cuda(cudaGetLastError(), "launch of the warp-specialised backward kernel");
         return true;
     }
@@ -65,9 +60,8 @@ void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
                    "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");
         const int n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
         if (n_blocks > 0) {  // no keys at all: dq_accum stays zero (see above), so dq comes out zero
-            const int key_splits = params.deterministic ? params.num_splits : std::min(n_blocks, kMaxGridY);
-            const dim3 grid(unsigned(params.batch) * unsigned(params.heads), key_splits);
-            kernel<<<grid, Traits::kNThreads, kSmemSize, stream>>>(params);
+            const int key_splits = params.deterministic ? params.num_splits : n_blocks;
+            kernel<<<bwd_grid_size(params, key_splits), Traits::kNThreads, kSmemSize, stream>>>(params);
             check_cuda(cudaGetLastError(), "launch of the backward kernel");
         }
     }

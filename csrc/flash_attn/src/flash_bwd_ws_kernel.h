@@ -39,9 +39,9 @@ template <int kHeadDim_, typename Element_>
 struct BackwardWs {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
-    // 64 query rows: at d128 the dK and dV accumulators leave room for no more, and at d64 128 rows
-    // spilled (S^T and dP^T of 64 fp32 registers each beside the P^T being converted).
-    static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+    // 64 query rows: at d128 the dK and dV accumulators leave room for no more; at d64 128 rows
+    // spilled and were no faster. A third Q/dO stage at d64 (whose stages are small): +10% at 16K.
+    static constexpr int kBlockM = 64, kBlockN = 128, kStages = kHeadDim == 64 ? 3 : 2;
     static constexpr int kConsumerThreads = 256, kThreads = 128 + kConsumerThreads;
     static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
     static_assert(kHeadDim == 64 || kHeadDim == 128);
@@ -138,20 +138,21 @@ CUTE_HOST_DEVICE auto transposed_rowcol(Tensor &&t) {
     return make_tensor(t.data(), make_layout(get<1>(rc), get<0>(rc)));
 }
 
-// Which key blocks a CTA walks (blockIdx.y, + gridDim.y, ...) and their query blocks. Every role
-// walks them alike: body(n_block, range, iter, kv_iter), where `iter` counts the CTA's query blocks
-// before this key block (the Q/dO ring's stages and phases, and the dS buffers) and `kv_iter` its
-// key blocks that have any (K and V's phases).
+// Which key blocks a CTA walks (BackwardCta: its split, + splits, ...) and their query blocks.
+// Every role walks them alike: body(n_block, range, iter, kv_iter), where `iter` counts the CTA's
+// query blocks before this key block (the Q/dO ring's stages and phases, and the dS buffers) and
+// `kv_iter` its key blocks that have any (K and V's phases).
 template <typename Ws, bool Is_masked>
 struct BwdWsSchedule {
     const AttentionParams &params;
     const SequenceInfo &seq;
+    const BackwardCta &cta;
 
     template <typename Body>
     __device__ __forceinline__ void for_each_key_block(Body &&body) const {
         const int n_blocks = ceil_div(seq.seqlen_k, Ws::kBlockN);
         int iter = 0, kv_iter = 0;
-        for (int n_block = blockIdx.y; n_block < n_blocks; n_block += gridDim.y) {
+        for (int n_block = cta.split; n_block < n_blocks; n_block += cta.splits) {
             const auto range = QueryBlockRange<Ws::kBlockM, Ws::kBlockN, Is_masked>::make(params, seq, n_block);
             body(n_block, range, iter, kv_iter);
             if (!range.empty()) {
@@ -457,11 +458,8 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
     if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
 }
 
-// grid (batch x heads, key blocks, or num_splits when deterministic): a CTA walks key blocks
-// blockIdx.y, + gridDim.y, ... (one unless deterministic or past 65535 blocks); heads vary fastest,
-// key blocks slowest, so that every head's heavy causal key blocks start before any light one.
-// Deterministic: each CTA adds its dQ tiles into its own dq_accum split, one key block's after the
-// last one's have landed, so every element sums in a fixed order.
+// grid: BackwardCta's. Deterministic: each CTA adds its dQ tiles into its own dq_accum split, one
+// key block's after the last one's have landed, so every element sums in a fixed order.
 template <typename Ws, bool Is_dropout, bool Is_masked>
 __global__ void __launch_bounds__(Ws::kThreads, 1)
 flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
@@ -481,12 +479,13 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     }
     __syncthreads();  // barriers initialised before anyone waits on them
 
-    const int bidb = int(blockIdx.x) / params.heads, bidh = int(blockIdx.x) % params.heads;
+    const BackwardCta cta = BackwardCta::make(params);
+    const int bidb = cta.bidb, bidh = cta.bidh;
     const SequenceInfo seq(params, bidb);
-    const BwdWsSchedule<Ws, Is_masked> schedule{params, seq};
+    const BwdWsSchedule<Ws, Is_masked> schedule{params, seq, cta};
     // dq_accum rows of this sequence and head, in this CTA's split when deterministic.
     const int64_t dq_row0 = seq.q_start >= 0 ? seq.q_start : int64_t(bidb) * params.seqlen_q_rounded;
-    const int split = params.deterministic ? int(blockIdx.y) : 0;
+    const int split = params.deterministic ? cta.split : 0;
     float *dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride +
                       int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * Ws::kHeadDim;
 
