@@ -3,10 +3,10 @@ process, so the cases run in child processes): flash-attn's error rule on dq, dk
 fp32 reference (test_flash_attn_backward's _run_and_check and test_backward_varlen) for every
 head layout and score modifier it covers (masks, ALiBi, softcap), padded and varlen, a batch with
 more CTAs than SMs, dropout (the forward's mask redrawn on the transposed tile), the deterministic
-mode bitwise repeatable; proof that the flag changes the kernel where it covers the call (gradients
-differ from the default kernel's in the last bits somewhere; bitwise equal everywhere would mean it
-never ran) and leaves head dim 256 to the default kernel (bitwise equal); unset, it runs where
-flash_bwd_launch.h's ws_bwd_min_keys says (_ws_backward_by_default).
+mode bitwise repeatable. Which kernel ran is read from the profiler's kernel names: with the flag
+set, the warp-specialised one wherever it covers the call and never at head dim 256; unset, where
+flash_bwd_launch.h's ws_bwd_min_keys says (_ws_backward_by_default), with gradients bitwise those
+of the kernel that ran (where they repeat from run to run).
 """
 
 import textwrap
@@ -25,6 +25,7 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from test_flash_attn_backward import (_run_and_check, test_backward_varlen,
                                           test_deterministic_backward_is_bitwise_reproducible)
+    from torch.profiler import ProfilerActivity, profile
     from flash_attn import flash_attn_func
 
     check = sys.argv[3] == "check"
@@ -67,9 +68,10 @@ CHILD = textwrap.dedent("""
         test_deterministic_backward_is_bitwise_reproducible(mha_type, dropout_p, varlen_input)
         deterministic += 1
 
-    # Gradients of fixed inputs, for the comparison across processes: calls the kernel covers, and
-    # head dim 256, which the flag leaves to the default kernel.
-    grads = {}
+    # Gradients of fixed inputs, for the comparison across processes, and whether the
+    # warp-specialised kernel computed them: calls it covers, and head dim 256, which the flag
+    # leaves to the default kernel.
+    grads, ws_ran = {}, {}
     for d, causal, (sq, sk), extra in itertools.product(
             (64, 128, 256), (False, True), ((113, 203), (1024, 1024), (2048, 2048), (4096, 4096)),
             ("plain", "softcap", "dropout", "deterministic")):
@@ -80,8 +82,12 @@ CHILD = textwrap.dedent("""
                       deterministic=extra == "deterministic")
         out = flash_attn_func(q, k, v, 0.1 if extra == "dropout" else 0.0, **kwargs)
         g = torch.randn_like(out)
-        grads[d, causal, sq, sk, extra] = [t.cpu() for t in torch.autograd.grad(out, (q, k, v), g)]
-    torch.save(grads, sys.argv[2])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            grads[d, causal, sq, sk, extra] = [t.cpu() for t in torch.autograd.grad(out, (q, k, v), g)]
+        kernels = {e.name for e in prof.events() if "flash_bwd" in e.name}
+        assert any("flash_bwd_kernel" in n or "flash_bwd_ws_kernel" in n for n in kernels), kernels
+        ws_ran[d, causal, sq, sk, extra] = any("flash_bwd_ws_kernel" in n for n in kernels)
+    torch.save((grads, ws_ran), sys.argv[2])
     print(f"{cases} padded, {dropout} dropout, {varlen} varlen, {batch16} batch-16 and {deterministic} "
           "deterministic cases passed")
 """)
@@ -89,7 +95,8 @@ CHILD = textwrap.dedent("""
 
 def _child(tmp_path, flag, check):
     """flag: the FLASH_ATTN_SM90_WS_BWD value, or None to leave it unset; check: run the error-rule
-    cases too. Returns the child's fixed-input gradients."""
+    cases too. Returns the child's fixed-input gradients and which of them the warp-specialised
+    kernel computed, by case."""
     out_file = tmp_path / f"grads_{flag}.pt"
     stdout = run_child_with_flag(CHILD, (TESTS, out_file, "check" if check else "grads"), "FLASH_ATTN_SM90_WS_BWD",
                                  flag, timeout=900)
@@ -116,18 +123,18 @@ def grads_by_flag(tmp_path_factory):
 
 
 @pytest.mark.gpu
-def test_ws_backward_meets_the_error_rule_and_is_a_different_kernel(grads_by_flag):
-    ws, default = grads_by_flag("1"), grads_by_flag("0")
+def test_ws_backward_meets_the_error_rule_and_runs_where_it_covers(grads_by_flag):
+    (ws, ws_ran), (default, default_ran) = grads_by_flag("1"), grads_by_flag("0")
     assert ws.keys() == default.keys()
     for key in ws:
+        assert ws_ran[key] == (key[0] != 256), (key, "FLASH_ATTN_SM90_WS_BWD=1: the kernel that ran")
+        assert not default_ran[key], (key, "FLASH_ATTN_SM90_WS_BWD=0 ran the warp-specialised kernel")
         for name, ours, theirs in zip(("dq", "dk", "dv"), ws[key], default[key]):
             if key[0] == 256 and _bitwise_stable(key, name):
                 assert torch.equal(ours, theirs), f"{key} {name}: the flag must leave this call to the default kernel"
             else:  # both meet the error rule (above and in test_flash_attn_backward): they agree closely
                 scale = theirs.abs().max().item()
                 assert (ours.float() - theirs.float()).abs().max().item() <= 2e-2 * scale + 1e-3, (key, name)
-    assert any(not torch.equal(a, b) for key in ws if key[0] != 256 for a, b in zip(ws[key], default[key])), (
-        "FLASH_ATTN_SM90_WS_BWD=1 gave bitwise the default kernel's gradients: the flag did nothing")
 
 
 def _ws_backward_by_default(d, causal, sk):
@@ -139,14 +146,11 @@ def _ws_backward_by_default(d, causal, sk):
 def test_unset_flag_takes_the_ws_backward_where_the_rule_says(grads_by_flag):
     """FLASH_ATTN_SM90_WS_BWD unset: the warp-specialised kernel where _ws_backward_by_default says,
     the key-block kernel everywhere else (bitwise each)."""
-    auto, ws, off = grads_by_flag(None), grads_by_flag("1", check=False), grads_by_flag("0")
+    (auto, auto_ran), (ws, _), (off, _) = grads_by_flag(None), grads_by_flag("1", check=False), grads_by_flag("0")
     chosen = {key: _ws_backward_by_default(key[0], key[1], key[3]) for key in auto}
     assert any(chosen.values()) and not all(chosen.values())
     for key in auto:
+        assert auto_ran[key] == chosen[key], (key, "flag unset: the kernel that ran")
         expected = ws if chosen[key] else off
         for name, ours, theirs in zip(("dq", "dk", "dv"), auto[key], expected[key]):
             assert not _bitwise_stable(key, name) or torch.equal(ours, theirs), (key, name)
-    # and the two kernels differ on the calls that tell them apart (dk, dv), at both head dims
-    for d in (64, 128):
-        assert any(not torch.equal(a, b) for key in auto if key[0] == d and chosen[key]
-                   for a, b in zip(auto[key][1:], off[key][1:])), d
