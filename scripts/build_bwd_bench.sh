@@ -2,7 +2,9 @@
 # Builds benchmarks/csrc/attention_bwd_bench.cu against the kernels of SRC_DIR (a copy of
 # csrc/flash_attn/src holding a kernel variant), bf16 only, for sm_90a, with setup.py's nvcc flags
 # (csrc/build_flags.py). Head dims 64 and 128; BENCH_HDIM256=1 adds 256 (four more units).
-# No PyTorch needed: build variants here, carry the binaries to the GPU machine, time them there.
+# No PyTorch needed: build variants here, carry the binaries to the GPU machine, time them there
+# (scripts/gpu_harness_check.sh for one binary under every flag, scripts/gpu_harness_compare.sh for
+# variants back to back).
 #
 #   scripts/build_bwd_bench.sh SRC_DIR OUT_BINARY [JOBS (default 2)]
 set -euo pipefail
