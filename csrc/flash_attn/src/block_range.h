@@ -41,23 +41,25 @@ struct KeyBlockRange {
 
 // The backward's CTAs: a 1-D grid of (sequence x head) x key splits, a sequence and head's splits
 // adjacent (bwd_grid_size); a CTA walks key blocks split, + splits, ... (one each unless
-// deterministic: then about one CTA per SM, each with its own dq_accum split). CTAs that run
+// deterministic: then about one CTA per SM, each adding into its own dq_accum split, dq_split). CTAs that run
 // together share a few heads' Q, dO and dq_accum rows in L2: with heads varying fastest, one wave
 // of short-sequence CTAs spanned 132 heads' rows, more than the L2 holds (the H200's DRAM was half
 // busy at s1k). A head's first key blocks, the heaviest under a causal mask, start first.
 struct BackwardCta {
-    int bidb, bidh, split, splits;
+    int bidb, bidh, split, splits, dq_split;
 
     __device__ static BackwardCta make(const AttentionParams &params) {
         const int splits = int(gridDim.x / unsigned(params.batch * params.heads));
-        const int head_seq = int(blockIdx.x) / splits;
-        return {head_seq / params.heads, head_seq % params.heads, int(blockIdx.x) % splits, splits};
+        const int head_seq = int(blockIdx.x) / splits, split = int(blockIdx.x) % splits;
+        return {head_seq / params.heads, head_seq % params.heads, split, splits, params.deterministic ? split : 0};
     }
 };
 
-// Its grid size: key_splits per sequence and head, fewer where the product would pass CUDA's
-// limit on gridDim.x (the CTAs then walk more key blocks).
-inline unsigned bwd_grid_size(const AttentionParams &params, int key_splits) {
+// Its grid size for a key length of n_blocks blocks: a split per key block (num_splits when
+// deterministic) per sequence and head, fewer where the product would pass CUDA's limit on
+// gridDim.x (the CTAs then walk more key blocks).
+inline unsigned bwd_grid_size(const AttentionParams &params, int n_blocks) {
+    const int key_splits = params.deterministic ? params.num_splits : n_blocks;
     const int64_t head_seqs = int64_t(params.batch) * params.heads;
     const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(key_splits, 0x7fffffff / head_seqs));
     return unsigned(head_seqs * splits);

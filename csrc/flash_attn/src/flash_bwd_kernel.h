@@ -526,8 +526,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     }
 }
 
-// grid: BackwardCta's (block_range.h); a CTA adds dQ into its own dq_accum split when
-// deterministic.
+// grid: BackwardCta's (block_range.h).
 template <typename Traits, bool Is_dropout, bool Is_masked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
 flash_bwd_kernel(const __grid_constant__ AttentionParams params) {
@@ -535,9 +534,8 @@ flash_bwd_kernel(const __grid_constant__ AttentionParams params) {
     const BackwardCta cta = BackwardCta::make(params);
     const SequenceInfo seq(params, cta.bidb);
     const int n_blocks = ceil_div(seq.seqlen_k, Traits::kBlockN);
-    const int split = params.deterministic ? cta.split : 0;
     for (int n_block = cta.split; n_block < n_blocks; n_block += cta.splits) {
-        bwd_key_block<Traits, Is_dropout, Is_masked>(params, seq, n_block, cta.bidb, cta.bidh, split, smem);
+        bwd_key_block<Traits, Is_dropout, Is_masked>(params, seq, n_block, cta.bidb, cta.bidh, cta.dq_split, smem);
         __syncthreads();  // the next key block reuses the shared memory
     }
 }

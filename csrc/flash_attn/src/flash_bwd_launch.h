@@ -33,8 +33,7 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
                    "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised backward kernel");
         const typename Ws::KernelArgs args = Ws::make_args(params);
         const int n_blocks = ceil_div(params.seqlen_k, Ws::kBlockN);
-        const int key_splits = params.deterministic ? params.num_splits : n_blocks;
-        kernel<<<bwd_grid_size(params, key_splits), Ws::kThreads, Ws::kSmemSize, stream>>>(args);
+        kernel<<<bwd_grid_size(params, n_blocks), Ws::kThreads, Ws::kSmemSize, stream>>>(args);
         check_cuda(cudaGetLastError(), "launch of the warp-specialised backward kernel");
         return true;
     }
@@ -60,8 +59,7 @@ void run_mha_bwd_(AttentionParams &params, cudaStream_t stream) {
                    "cudaFuncSetAttribute(max dynamic shared memory) of the backward kernel");
         const int n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
         if (n_blocks > 0) {  // no keys at all: dq_accum stays zero (see above), so dq comes out zero
-            const int key_splits = params.deterministic ? params.num_splits : n_blocks;
-            kernel<<<bwd_grid_size(params, key_splits), Traits::kNThreads, kSmemSize, stream>>>(params);
+            kernel<<<bwd_grid_size(params, n_blocks), Traits::kNThreads, kSmemSize, stream>>>(params);
             check_cuda(cudaGetLastError(), "launch of the backward kernel");
         }
     }

@@ -485,8 +485,7 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     const BwdWsSchedule<Ws, Is_masked> schedule{params, seq, cta};
     // dq_accum rows of this sequence and head, in this CTA's split when deterministic.
     const int64_t dq_row0 = seq.q_start >= 0 ? seq.q_start : int64_t(bidb) * params.seqlen_q_rounded;
-    const int split = params.deterministic ? cta.split : 0;
-    float *dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride +
+    float *dq_accum = params.dq_accum_ptr + cta.dq_split * params.dq_accum_split_stride +
                       int64_t(bidh) * params.dq_accum_head_stride + dq_row0 * Ws::kHeadDim;
 
     if (threadIdx.x / 128 == 0) {  // the producer warpgroup: warps 0 and 1 work, 2 and 3 leave
