@@ -2,6 +2,7 @@
 torch.distributed with gloo on CPU and NCCL on GPUs, the model wrapped in
 DistributedDataParallel or sharded with FSDP2 (`fully_shard`, one unit per block)."""
 
+import gc
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -68,7 +69,10 @@ def start(device):
 
 
 def stop():
+    """Leave the process group, once nothing holds work of it: collected first (a model wrapped
+    in DDP keeps the group alive through its reducer)."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

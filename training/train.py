@@ -368,22 +368,30 @@ def main(argv=None):
         return 2
     processes = parallel.start(run.args.device)
     try:
-        if run.args.device.startswith("cuda"):
-            torch.backends.cuda.matmul.allow_tf32 = True  # fp32 products outside autocast
-        started = time.perf_counter()
-        trainer = Trainer(run, processes)
-        trainer.train()
-        trainer.sample()
-        # The other processes wait out the main one's sample, so that all leave the process group
-        # together: one that tore gloo down while the main process still sampled was seen to abort
-        # ("terminate called without an active exception", FSDP on CPU).
-        processes.barrier()
-        if processes.is_main:
-            print(f"done in {time.perf_counter() - started:.0f} s; {trainer.out}: checkpoints/, "
-                  "metrics.json, loss.png, sample.txt", flush=True)
+        train(run, processes)
     finally:
+        # After train() returned its model and optimizer are garbage, so the process group's
+        # last users (DDP's reducer, FSDP's hooks) go before it does, not in its destructor
+        # at interpreter exit, where gloo's teardown can hang or abort.
         parallel.stop()
     return 0
+
+
+def train(run, processes):
+    """The run in this process: train, sample, then meet the other processes."""
+    if run.args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 products outside autocast
+    started = time.perf_counter()
+    trainer = Trainer(run, processes)
+    trainer.train()
+    trainer.sample()
+    # The other processes wait out the main one's sample, so that all leave the process group
+    # together: one that tore gloo down while the main process still sampled was seen to abort
+    # ("terminate called without an active exception", FSDP on CPU).
+    processes.barrier()
+    if processes.is_main:
+        print(f"done in {time.perf_counter() - started:.0f} s; {trainer.out}: checkpoints/, "
+              "metrics.json, loss.png, sample.txt", flush=True)
 
 
 if __name__ == "__main__":

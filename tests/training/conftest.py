@@ -4,8 +4,10 @@ processes (plain, or under torchrun with gloo)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,8 @@ def corpus_dir(tmp_path_factory):
 
 
 def train_env():
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # faulthandler: a process sent SIGABRT prints every thread's Python stack (see _stop_hung).
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
@@ -46,14 +49,49 @@ def train_command(nproc=1):
             f"--nproc_per_node={nproc}", str(TRAIN)]
 
 
+def _descendants(pid):
+    """Every process below pid (torchrun starts its workers in sessions of their own, so a
+    kill of torchrun alone leaves them running)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            children.append(int(stat.parent.name))
+    return children + [d for child in children for d in _descendants(child)]
+
+
+def _stop_hung(proc):
+    """Where a run that stopped making progress is stuck: SIGABRT to every process of it (each
+    prints its threads' Python stacks), then SIGKILL to what is left; the output."""
+    tree = _descendants(proc.pid) + [proc.pid]
+    for signal_number, wait_s in ((signal.SIGABRT, 10), (signal.SIGKILL, 0)):
+        for pid in tree:
+            try:
+                os.kill(pid, signal_number)
+            except ProcessLookupError:
+                pass
+        time.sleep(wait_s)
+    output, _ = proc.communicate()
+    return output
+
+
 def _run_train(args, nproc=1, timeout=RUN_TIMEOUT_S):
     """training/train.py with args, in one process or under torchrun with nproc; the
-    CompletedProcess (stdout and stderr together), asserting that it succeeded."""
-    proc = subprocess.run(train_command(nproc) + [str(a) for a in args], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout, env=train_env(),
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return proc
+    CompletedProcess (stdout and stderr together), asserting that it succeeded in time."""
+    command = train_command(nproc) + [str(a) for a in args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=train_env(), cwd=REPO) as proc:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            output = _stop_hung(proc)
+            pytest.fail(f"train.py did not end in {timeout} s; its output, with the stacks of "
+                        f"its processes at the end:\n{output[-12000:]}")
+    assert proc.returncode == 0, output[-6000:]
+    return subprocess.CompletedProcess(command, proc.returncode, output)
 
 
 def _metrics(out):
