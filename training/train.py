@@ -370,9 +370,8 @@ def main(argv=None):
     try:
         train(run, processes)
     finally:
-        # After train() returned its model and optimizer are garbage, so the process group's
-        # last users (DDP's reducer, FSDP's hooks) go before it does, not in its destructor
-        # at interpreter exit, where gloo's teardown can hang or abort.
+        # The job is a function so that its model is garbage by now: stop() then ends the
+        # process group here, not gloo's destructor at interpreter exit (seen to hang or abort).
         parallel.stop()
     return 0
 
