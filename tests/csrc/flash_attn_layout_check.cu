@@ -12,6 +12,8 @@
 //   P^T and dS^T read as the register A operands of dV and dK element for element, its pairs of
 //   shared-memory views (written one way, read transposed) on the same bytes, and its dropout mask
 //   (drawn on S^T) equal to the forward's;
+// - a wgmma's shared-memory operands partitioned alike by every thread of a warpgroup (every sm90
+//   kernel slices them by the warpgroup's first thread);
 // - Philox4x32-10 against the Random123 known-answer vectors.
 // Prints "OK" and exits 0, or prints the first mismatch and exits 1.
 #include <algorithm>
@@ -137,6 +139,27 @@ void check_smem_view(const char *name) {
 
 // The wgmma specialisations are named explicitly (<..., true>): the kernels select them only in the
 // sm_90a device pass, and this check runs on the host.
+// A wgmma's shared-memory operands are partitioned by warpgroup only: every thread's slice of A (if
+// from shared memory) and B equals its warpgroup's first thread's (flash::warpgroup_first_thread
+// slices them so, keeping the descriptors in uniform registers).
+template <typename TiledMma, int kM, int kN, int kK, bool A_in_smem>
+void check_warpgroup_operands(const char *name, int threads) {
+    TiledMma mma;
+    for (int tid = 0; tid < threads; ++tid) {
+        auto mine = mma.get_thread_slice(tid), first = mma.get_thread_slice(tid / 128 * 128);
+        Tensor a = mine.partition_A(make_identity_tensor(Shape<Int<kM>, Int<kK>>{}));
+        Tensor a0 = first.partition_A(make_identity_tensor(Shape<Int<kM>, Int<kK>>{}));
+        Tensor b = mine.partition_B(make_identity_tensor(Shape<Int<kN>, Int<kK>>{}));
+        Tensor b0 = first.partition_B(make_identity_tensor(Shape<Int<kN>, Int<kK>>{}));
+        for (int i = 0; A_in_smem && i < int(size(a)); ++i) {
+            EXPECT(a(i) == a0(i), "%s: tid %d's A element %d differs from its warpgroup's first thread's", name, tid, i);
+        }
+        for (int i = 0; i < int(size(b)); ++i) {
+            EXPECT(b(i) == b0(i), "%s: tid %d's B element %d differs from its warpgroup's first thread's", name, tid, i);
+        }
+    }
+}
+
 // A forward tile on wgmma: its score tile, P as the A operand of P V, and the shared-memory views.
 template <typename Fwd>
 void check_forward_wgmma(const char *name) {
@@ -152,6 +175,10 @@ void check_forward_wgmma(const char *name) {
                         Fwd::kHeadDim>(name);
         check_smem_view<Element, typename Fwd::SmemLayoutKV, typename W::SmemLayoutVt, true, Fwd::kBlockN,
                         Fwd::kHeadDim>(name);
+        check_warpgroup_operands<typename W::TiledMmaS, Fwd::kBlockM, Fwd::kBlockN, Fwd::kHeadDim, true>(
+            name, Fwd::kNThreads);
+        check_warpgroup_operands<typename W::TiledMmaO, Fwd::kBlockM, Fwd::kHeadDim, Fwd::kBlockN, false>(
+            name, Fwd::kNThreads);
     }
 }
 
@@ -222,6 +249,12 @@ void check_wgmma(int head_dim) {
         check_smem_view<Element, typename Bwd::SmemLayoutKV, typename W::SmemLayoutKt, true, Bwd::kBlockN,
                         Bwd::kHeadDim>(name);
         check_dq_accum_order<typename W::TiledMmadQ, Bwd::kBlockM, Bwd::kHeadDim>(name, Bwd::kNThreads, 2);
+        check_warpgroup_operands<typename W::TiledMmaSdP, Bwd::kBlockM, Bwd::kBlockN, Bwd::kHeadDim, true>(
+            name, Bwd::kNThreads);
+        check_warpgroup_operands<typename W::TiledMmadKV, Bwd::kBlockN, Bwd::kHeadDim, Bwd::kBlockM, true>(
+            name, Bwd::kNThreads);
+        check_warpgroup_operands<typename W::TiledMmadQ, Bwd::kBlockM, Bwd::kHeadDim, Bwd::kBlockN, true>(
+            name, Bwd::kNThreads);
     }
 }
 
@@ -254,6 +287,8 @@ void check_forward_ws() {
     check_p_as_a_operand<typename Ws::TiledMmaS, typename Ws::TiledMmaO, Ws::kBlockM, Ws::kBlockN>(
         name, Ws::kConsumerThreads);
     check_column_pairs<typename Ws::TiledMmaO, Ws::kBlockM, kHeadDim>(name, Ws::kConsumerThreads);
+    check_warpgroup_operands<typename Ws::TiledMmaS, Ws::kBlockM, Ws::kBlockN, kHeadDim, true>(name, Ws::kConsumerThreads);
+    check_warpgroup_operands<typename Ws::TiledMmaO, Ws::kBlockM, kHeadDim, Ws::kBlockN, false>(name, Ws::kConsumerThreads);
     using Element = cutlass::bfloat16_t;
     check_transposed_views<Element, typename Ws::SmemLayoutKV, typename Ws::SmemLayoutVt, Ws::kBlockN, kHeadDim>(name);
     typename Ws::SmemLayoutKVStages stages;  // what TMA writes: stage s at s * kTileElems
@@ -352,6 +387,9 @@ void check_backward_ws() {
     check_transposed_views<Element, typename Ws::SmemLayoutdSt, typename Ws::SmemLayoutdS, kN, kM>(name);
     check_transposed_views<Element, typename Ws::SmemLayoutQdO, typename Ws::SmemLayoutQdOt, kM, kHeadDim>(name);
     check_transposed_views<Element, typename Ws::SmemLayoutKV, typename Ws::SmemLayoutKt, kN, kHeadDim>(name);
+    check_warpgroup_operands<typename Ws::TiledMmaSdP, kN, kM, kHeadDim, true>(name, kThreads);
+    check_warpgroup_operands<typename Ws::TiledMmadKV, kN, kHeadDim, kM, false>(name, kThreads);
+    check_warpgroup_operands<typename Ws::TiledMmadQ, kM, kHeadDim, kN, true>(name, kThreads);
 }
 
 // The decode tile (64 query rows, one warpgroup) on both MMA paths.

@@ -195,6 +195,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
     typename Wgmma::TiledMmaSdP tiled_mma_sdp;
     typename Wgmma::TiledMmadKV tiled_mma_dkv;
     typename Wgmma::TiledMmadQ tiled_mma_dq;
+    const int wg_thread0 = kWgmma ? warpgroup_first_thread(tidx) : 0;  // slices the shared-memory operands
     auto thr_mma_sdp = tiled_mma_sdp_sync.get_thread_slice(tidx);
     auto thr_mma_dkv = tiled_mma_dkv_sync.get_thread_slice(tidx);
     auto thr_mma_dq = tiled_mma_dq_sync.get_thread_slice(tidx);
@@ -369,12 +370,12 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
         if constexpr (kWgmma) {
             const int buf_offset = buf * size(typename Traits::SmemLayoutQdO{});
-            auto thr_sdp = tiled_mma_sdp.get_thread_slice(tidx);
+            auto wg_sdp = tiled_mma_sdp.get_thread_slice(wg_thread0);
             auto sB = [&](Element *ptr) {
-                return thr_sdp.partition_fragment_B(smem_view(ptr, typename Wgmma::SmemLayoutKV{}));
+                return wg_sdp.partition_fragment_B(smem_view(ptr, typename Wgmma::SmemLayoutKV{}));
             };
             auto sA = [&](Element *ptr) {
-                return thr_sdp.partition_fragment_A(smem_view(ptr + buf_offset, typename Wgmma::SmemLayoutQdO{}));
+                return wg_sdp.partition_fragment_A(smem_view(ptr + buf_offset, typename Wgmma::SmemLayoutQdO{}));
             };
             wgmma_gemm<true>(tiled_mma_sdp, sA(smem_q), sB(smem_k), acc_s);
             wgmma_gemm<true>(tiled_mma_sdp, sA(smem_do), sB(smem_v), acc_dp);
@@ -464,17 +465,17 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
         Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         if constexpr (kWgmma) {
             const int buf_offset = buf * size(typename Traits::SmemLayoutQdO{});
-            auto thr_dkv = tiled_mma_dkv.get_thread_slice(tidx);
-            auto thr_dq = tiled_mma_dq.get_thread_slice(tidx);
+            auto wg_dkv = tiled_mma_dkv.get_thread_slice(wg_thread0);
+            auto wg_dq = tiled_mma_dq.get_thread_slice(wg_thread0);
             using LayoutPdSt = typename Wgmma::SmemLayoutPdSt;
             using LayoutQdOt = typename Wgmma::SmemLayoutQdOt;
             wgmma_gemm<true>(tiled_mma_dq,
-                             thr_dq.partition_fragment_A(smem_view(smem_ds, typename Wgmma::SmemLayoutdS{})),
-                             thr_dq.partition_fragment_B(smem_view(smem_k, typename Wgmma::SmemLayoutKt{})), acc_dq);
-            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(smem_view(smem_p, LayoutPdSt{})),
-                              thr_dkv.partition_fragment_B(smem_view(smem_do + buf_offset, LayoutQdOt{})), acc_dv);
-            wgmma_gemm<false>(tiled_mma_dkv, thr_dkv.partition_fragment_A(smem_view(smem_ds, LayoutPdSt{})),
-                              thr_dkv.partition_fragment_B(smem_view(smem_q + buf_offset, LayoutQdOt{})), acc_dk);
+                             wg_dq.partition_fragment_A(smem_view(smem_ds, typename Wgmma::SmemLayoutdS{})),
+                             wg_dq.partition_fragment_B(smem_view(smem_k, typename Wgmma::SmemLayoutKt{})), acc_dq);
+            wgmma_gemm<false>(tiled_mma_dkv, wg_dkv.partition_fragment_A(smem_view(smem_p, LayoutPdSt{})),
+                              wg_dkv.partition_fragment_B(smem_view(smem_do + buf_offset, LayoutQdOt{})), acc_dv);
+            wgmma_gemm<false>(tiled_mma_dkv, wg_dkv.partition_fragment_A(smem_view(smem_ds, LayoutPdSt{})),
+                              wg_dkv.partition_fragment_B(smem_view(smem_q + buf_offset, LayoutQdOt{})), acc_dk);
             warpgroup_wait<2>();  // dQ's batch is done: it leaves while the dV and dK products run
             warpgroup_fence_operand(acc_dq);
             stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, threadIdx.x, smem_dq,

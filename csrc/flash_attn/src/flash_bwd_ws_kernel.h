@@ -291,41 +291,46 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
     typename Ws::TiledMmaSdP tiled_mma_sdp;
     typename Ws::TiledMmadKV tiled_mma_dkv;
     typename Ws::TiledMmadQ tiled_mma_dq;
+    const int wg_thread0 = warpgroup_first_thread(ctid);  // slices the shared-memory operands
     auto thr_sdp = tiled_mma_sdp.get_thread_slice(ctid);
-    auto thr_dkv = tiled_mma_dkv.get_thread_slice(ctid);
-    auto thr_dq = tiled_mma_dq.get_thread_slice(ctid);
-    Tensor tSrK = thr_sdp.partition_fragment_A(smem_view(storage.k.data(), typename Ws::SmemLayoutKV{}));
-    Tensor tSrV = thr_sdp.partition_fragment_A(smem_view(storage.v.data(), typename Ws::SmemLayoutKV{}));
-    Tensor tdQrK = thr_dq.partition_fragment_B(smem_view(storage.k.data(), typename Ws::SmemLayoutKt{}));
+    auto wg_sdp = tiled_mma_sdp.get_thread_slice(wg_thread0);
+    auto wg_dkv = tiled_mma_dkv.get_thread_slice(wg_thread0);
+    auto wg_dq = tiled_mma_dq.get_thread_slice(wg_thread0);
+    Tensor tSrK = wg_sdp.partition_fragment_A(smem_view(storage.k.data(), typename Ws::SmemLayoutKV{}));
+    Tensor tSrV = wg_sdp.partition_fragment_A(smem_view(storage.v.data(), typename Ws::SmemLayoutKV{}));
+    Tensor tdQrK = wg_dq.partition_fragment_B(smem_view(storage.k.data(), typename Ws::SmemLayoutKt{}));
     auto stage_of = [](auto &buffer, int stage, int elems) { return buffer.data() + stage * elems; };
     auto tSrQ = [&](int stage) {
-        return thr_sdp.partition_fragment_B(
+        return wg_sdp.partition_fragment_B(
             smem_view(stage_of(storage.q, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdO{}));
     };
     auto tSrdO = [&](int stage) {
-        return thr_sdp.partition_fragment_B(
+        return wg_sdp.partition_fragment_B(
             smem_view(stage_of(storage.dout, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdO{}));
     };
     auto tdKrQ = [&](int stage) {
-        return thr_dkv.partition_fragment_B(
+        return wg_dkv.partition_fragment_B(
             smem_view(stage_of(storage.q, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdOt{}));
     };
     auto tdVrdO = [&](int stage) {
-        return thr_dkv.partition_fragment_B(
+        return wg_dkv.partition_fragment_B(
             smem_view(stage_of(storage.dout, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdOt{}));
     };
     auto tdQrdS = [&](int buf) {
-        return thr_dq.partition_fragment_A(
+        return wg_dq.partition_fragment_A(
             smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdS{}));
     };
-    // dS^T: registers -> shared memory, two adjacent queries per store.
-    auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
-                                          tiled_mma_sdp);
+    // dS^T: registers -> shared memory with stmatrix (each warp stores its own 16 keys' rows, four
+    // 8 x 8 tiles an instruction), and back with ldmatrix (the softcap's derivative). Element-wise
+    // copies compiled to generic 32-bit stores whose 64-bit addresses stayed live in registers.
+    auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
+    auto smem_load_ds = make_tiled_copy_C(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, tiled_mma_sdp);
     auto thr_copy_ds = smem_copy_ds.get_thread_slice(ctid);
-    auto tdSsdS = [&](int buf) {
-        return thr_copy_ds.partition_D(
-            smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{}));
+    auto thr_load_ds = smem_load_ds.get_thread_slice(ctid);
+    auto sdSt = [&](int buf) {
+        return smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{});
     };
+    auto tdSsdS = [&](int buf) { return thr_copy_ds.partition_D(sdSt(buf)); };
 
     // Each S^T element's (key, query) in the tile, and the same elements as (query, key) for the
     // score modifications (which index S).
@@ -364,7 +369,7 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                 // The forward's score modifications, then P^T = exp(S^T - lse) (columns are queries).
                 // The softcap's derivative 1 - tanh^2 waits in this block's dS buffer (free: its last
                 // readers, block i - 2's dQ products, finished before either warpgroup passed the dS
-                // barrier of block i - 1); each thread reads back only what it wrote.
+                // barrier of block i - 1); each warp reads back only the rows it wrote.
                 Tensor scores_qk = transposed_rowcol(acc_s);
                 score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores_qk, coords_qk, m_block, n_block, [&] {
                     Tensor rdtanh = ScoreMods::tanh_derivative<Element>(acc_s);
@@ -396,7 +401,8 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                     constexpr bool Has_softcap = decltype(softcap_on)::value;
                     Tensor dtanh = make_tensor<Element>(acc_dp.layout());
                     if constexpr (Has_softcap) {
-                        cute::copy(smem_copy_ds, tdSsdS(ds_buf), thr_copy_ds.retile_D(dtanh));
+                        __syncwarp();  // the warp's own stmatrix above: other lanes wrote these rows
+                        cute::copy(smem_load_ds, thr_load_ds.partition_S(sdSt(ds_buf)), thr_load_ds.retile_D(dtanh));
                     }
                     Tensor dtanh_rc = make_tensor(dtanh.data(), acc_as_rowcol(dtanh.layout()));
                     CUTE_UNROLL

@@ -147,6 +147,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
     typename Traits::TiledMma tiled_mma;
     typename Wgmma::TiledMmaS tiled_mma_s;
     typename Wgmma::TiledMmaO tiled_mma_o;
+    const int wg_thread0 = kWgmma ? warpgroup_first_thread(tidx) : 0;  // slices the shared-memory operands
     auto thr_mma = tiled_mma.get_thread_slice(tidx);
     Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
     Tensor tSrK = thr_mma.partition_fragment_B(sK);
@@ -221,10 +222,10 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         if (paged && n_block - 1 > n_block_min) { ahead_row = paged_rows.fetch(params, seq, bidb, n_block - 2, tidx); }
 
         if constexpr (kWgmma) {
-            auto thr_s = tiled_mma_s.get_thread_slice(tidx);
+            auto wg_s = tiled_mma_s.get_thread_slice(wg_thread0);
             wgmma_gemm<true>(tiled_mma_s,
-                             thr_s.partition_fragment_A(smem_view(sQ.data().get(), typename Wgmma::SmemLayoutQ{})),
-                             thr_s.partition_fragment_B(smem_view(sK.data().get(), typename Wgmma::SmemLayoutK{})),
+                             wg_s.partition_fragment_A(smem_view(sQ.data().get(), typename Wgmma::SmemLayoutQ{})),
+                             wg_s.partition_fragment_B(smem_view(sK.data().get(), typename Wgmma::SmemLayoutK{})),
                              acc_s);
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_s);
@@ -277,7 +278,7 @@ flash_fwd_kernel(const __grid_constant__ AttentionParams params) {
         }
         if constexpr (kWgmma) {
             wgmma_gemm<false, true>(tiled_mma_o, tOrP,
-                                    tiled_mma_o.get_thread_slice(tidx).partition_fragment_B(
+                                    tiled_mma_o.get_thread_slice(wg_thread0).partition_fragment_B(
                                         smem_view(sV.data().get(), typename Wgmma::SmemLayoutVt{})),
                                     acc_o);
             warpgroup_wait<0>();

@@ -303,14 +303,17 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     typename Ws::TiledMmaO tiled_mma_o;
     auto thr_s = tiled_mma_s.get_thread_slice(ctid);
     auto thr_o = tiled_mma_o.get_thread_slice(ctid);
-    Tensor tSrQ = thr_s.partition_fragment_A(smem_view(storage.q.data(), typename Ws::SmemLayoutQ{}));
+    const int wg_thread0 = warpgroup_first_thread(ctid);  // slices the shared-memory operands
+    auto wg_s = tiled_mma_s.get_thread_slice(wg_thread0);
+    auto wg_o = tiled_mma_o.get_thread_slice(wg_thread0);
+    Tensor tSrQ = wg_s.partition_fragment_A(smem_view(storage.q.data(), typename Ws::SmemLayoutQ{}));
     auto tSrK = [&](int stage) {
-        return thr_s.partition_fragment_B(smem_view(storage.k.data() + stage * Ws::kTileElems,
-                                                    typename Ws::SmemLayoutKV{}));
+        return wg_s.partition_fragment_B(smem_view(storage.k.data() + stage * Ws::kTileElems,
+                                                   typename Ws::SmemLayoutKV{}));
     };
     auto tOrV = [&](int stage) {
-        return thr_o.partition_fragment_B(smem_view(storage.v.data() + stage * Ws::kTileElems,
-                                                    typename Ws::SmemLayoutVt{}));
+        return wg_o.partition_fragment_B(smem_view(storage.v.data() + stage * Ws::kTileElems,
+                                                   typename Ws::SmemLayoutVt{}));
     };
     Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_as_rowcol(tScS.layout()));

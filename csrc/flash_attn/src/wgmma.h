@@ -38,6 +38,15 @@ __device__ __forceinline__ auto smem_view(Element *ptr, Layout layout) {
     return make_tensor(make_smem_ptr(ptr), layout);
 }
 
+// The first thread (in a tiled MMA's numbering) of the warpgroup of mma_thread, read from lane 0 so
+// that the compiler knows it is the same across the warp. A wgmma's shared-memory operands are
+// partitioned by warpgroup only: sliced with this thread, their descriptors stay in uniform
+// registers, where sliced by each thread they were rebuilt in per-thread registers (or spilled)
+// and moved over before every wgmma.
+__device__ __forceinline__ int warpgroup_first_thread(int mma_thread) {
+    return __shfl_sync(0xffffffff, mma_thread / 128, 0) * 128;
+}
+
 // Makes shared-memory writes of the generic proxy (st.shared, cp.async) visible to wgmma, which
 // reads through the async proxy; the writers then meet the readers at a barrier.
 __device__ __forceinline__ void fence_smem_for_wgmma() {
