@@ -137,8 +137,6 @@ void check_smem_view(const char *name) {
     }
 }
 
-// The wgmma specialisations are named explicitly (<..., true>): the kernels select them only in the
-// sm_90a device pass, and this check runs on the host.
 // A wgmma's shared-memory operands are partitioned by warpgroup only: every thread's slice of A (if
 // from shared memory) and B equals its warpgroup's first thread's (flash::warpgroup_first_thread
 // slices them so, keeping the descriptors in uniform registers).
@@ -160,6 +158,8 @@ void check_warpgroup_operands(const char *name, int threads) {
     }
 }
 
+// The wgmma specialisations are named explicitly (<..., true>): the kernels select them only in the
+// sm_90a device pass, and this check runs on the host.
 // A forward tile on wgmma: its score tile, P as the A operand of P V, and the shared-memory views.
 template <typename Fwd>
 void check_forward_wgmma(const char *name) {
