@@ -3,7 +3,8 @@
 Paths a call can take:
 - fused: CUDA fp16/bf16 inputs (or fp32 under CUDA autocast) with the extension built. FusedDense
   runs its forward on F.linear and gets the bias gradient from the weight-gradient GEMM's BGRADB
-  epilogue; FusedMLP also fuses bias + activation into the first GEMM's epilogue (saving the
+  epilogue (on sm90 and up from flash_attn.ops.triton.bias_grad instead, see _bias_grad_apart);
+  FusedMLP also fuses bias + activation into the first GEMM's epilogue (saving the
   pre-activation, GELU_AUX_BIAS / RELU_AUX_BIAS) and the activation's gradient into the second
   GEMM's input gradient (DGELU / DRELU; the first layer's bias gradient comes from its weight
   gradient's BGRADB epilogue) (`heuristic` >= 0). Under autocast on fp32 parameters the
@@ -71,6 +72,17 @@ def _autocast_dtype(x):
 
 
 def _cast(dtype, *tensors):
+    """The tensors (None kept) in dtype: a layer's parameters under autocast. Two or more CUDA
+    tensors of one dtype go through one kernel (flash_attn.ops.triton.cast: one launch per layer
+    instead of one per parameter), except while torch.compile traces, which fuses casts itself."""
+    present = [t for t in tensors if t is not None]
+    if (len(present) > 1 and all(t.is_cuda and t.is_contiguous() and t.dtype == present[0].dtype
+                                 and t.device == present[0].device for t in present)
+            and present[0].dtype != dtype and not torch.compiler.is_compiling()):
+        from flash_attn.ops.triton.cast import cast_tensors
+
+        casts = iter(cast_tensors(dtype, present))
+        return [t if t is None else next(casts) for t in tensors]
     return [t if t is None else t.to(dtype) for t in tensors]
 
 
@@ -165,12 +177,26 @@ def _fp32_grads(x, weight, bias):
             and (bias is None or bias.dtype == torch.float32))
 
 
+def _bias_grad_apart(grad_output):
+    """Whether the fused weight gradient leaves the bias gradient to Triton's bias_grad: on sm90
+    and up, where cuBLASLt runs the BGRADB epilogue as a kernel of its own after the GEMM, at
+    1.4-2 TB/s on the H200 (a third of the GPT-2 medium backward's bias-gradient time went there);
+    bias_grad sums the same bytes near copy speed. Elsewhere the epilogue stays (not measured)."""
+    return grad_output.is_cuda and torch.cuda.get_device_capability(grad_output.device)[0] >= 9
+
+
 def _wgrad(input, grad_output, need_bias, fused, fp32_grads=False):
     """(grad_weight, grad_bias or None) of a Linear from 2-D input and grad_output; fused: one
-    cuBLASLt GEMM with the bias gradient in its epilogue (see _wgrad_fusable), writing fp32
-    gradients with fp32_grads (_fp32_grads), else PyTorch's mm and sum."""
+    cuBLASLt GEMM with the bias gradient in its epilogue (see _wgrad_fusable) or from bias_grad
+    (_bias_grad_apart), writing fp32 gradients with fp32_grads (_fp32_grads), else PyTorch's mm
+    and sum."""
     if fused:
         grad_output = _to_dtype(grad_output, input.dtype).contiguous()
+        if need_bias and _bias_grad_apart(grad_output):
+            from flash_attn.ops.triton.bias_grad import bias_grad
+
+            grad_weight = _ext().linear_bias_wgrad(input.contiguous(), grad_output, False, fp32_grads)[0]
+            return grad_weight, bias_grad(grad_output, torch.float32 if fp32_grads else grad_output.dtype)
         return tuple(_ext().linear_bias_wgrad(input.contiguous(), grad_output, need_bias, fp32_grads))
     grad_weight = grad_output.t().mm(_to_dtype(input, grad_output.dtype))
     return grad_weight, (grad_output.sum(0) if need_bias else None)

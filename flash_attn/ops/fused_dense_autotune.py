@@ -24,13 +24,21 @@ AUTO_PLANS = {}
 _TIE_MARGIN = 1.01  # a candidate must beat the default by more than timing noise to be chosen
 _UNFUSED = (-1, -1, -1)  # PyTorch's ops for every stage
 _L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (H100/H200: 50-60 MB), as triton's do_bench flushes
+# GPU clock cycles the stream waits before each timed call (about 2 ms on an H200): longer than the
+# host takes to launch a whole MLP step, so the call's kernels run back to back.
+_HEAD_START_CYCLES = 4_000_000
 
 
-def _time_candidates(fns, warmup=2, rounds=7):
+def _time_candidates(fns, warmup=2, rounds=7, gpu_time=True):
     """{key: median milliseconds of fn()} for fns {key: fn}, on the current CUDA stream. Measured in
     interleaved rounds (one call of each candidate per round), so that clock changes during the
     search touch every candidate alike rather than favouring the ones timed last; the L2 cache is
-    flushed before each call, since the operands of a layer come from memory, not from the L2."""
+    flushed before each call, since the operands of a layer come from memory, not from the L2.
+    gpu_time: the stream waits (_HEAD_START_CYCLES) before each call while the host launches it,
+    so the time is the kernels' alone, what a CUDA graph replay or a GPU-bound step pays. Without
+    it a step whose launches take longer than its kernels is timed at the host's pace, which
+    differs between plans by their launch counts and in noise (GPT-2 medium's MLP: 0.7 ms of
+    kernels, 0.7-0.9 ms of launches), and the plan chosen under that noise then runs in graphs."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -39,6 +47,8 @@ def _time_candidates(fns, warmup=2, rounds=7):
     for _ in range(rounds):
         for key, fn in fns.items():
             flush.zero_()
+            if gpu_time:
+                torch.cuda._sleep(_HEAD_START_CYCLES)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -123,11 +133,10 @@ def _tune_mlp(batch_dim, in_features, hidden, out_features, dtype, device, activ
 def plan_for(x, weight1, weight2, bias1, bias2, dtype, activation, save_pre_act, process_group,
              sequence_parallel):
     """The (fwd, bwd, wgrad) plan of this call: cached, or measured now. dtype: what the layer
-    computes in (autocast's, or x's). -1 (unfused) for sqrelu, and while torch.compile traces or
-    a CUDA graph captures (no timing there)."""
+    computes in (autocast's, or x's). -1 (unfused) for sqrelu. While torch.compile traces or a
+    CUDA graph captures, nothing can be timed: the cached plan (from the warm-up steps that
+    precede a capture), or -1 when the problem was never tuned."""
     if activation == "sqrelu":
-        return -1
-    if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return -1
     batch_dim = x.numel() // x.shape[-1]
     if process_group is not None and sequence_parallel:
@@ -135,6 +144,9 @@ def plan_for(x, weight1, weight2, bias1, bias2, dtype, activation, save_pre_act,
     key = (batch_dim, x.shape[-1], weight1.shape[0], weight2.shape[0], dtype, x.device, activation,
            bias1 is not None, bias2 is not None, bool(save_pre_act))
     plan = AUTO_PLANS.get(key)
-    if plan is None:
-        plan = AUTO_PLANS[key] = _tune_mlp(*key)
+    if plan is not None:
+        return plan
+    if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return -1
+    plan = AUTO_PLANS[key] = _tune_mlp(*key)
     return plan

@@ -176,6 +176,7 @@ class FakeFusedDenseLib:
         self._check(input, d_output)
         self.calls["linear_bias_wgrad"] += 1
         self.calls["fp32_grads"] += fp32_grads
+        self.calls["bgradb_epilogue"] += has_d_bias
         grads = [d_output.t() @ input, d_output.sum(0) if has_d_bias else None]
         return [g.float() if fp32_grads and g is not None else g for g in grads]
 
@@ -314,7 +315,11 @@ def test_mlp_eligibility(fake_ext):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("return_residual", [False, True])
 @pytest.mark.parametrize("frozen_weight", [False, True])
-def test_fused_dense_func_paths(fake_ext, bias, return_residual, frozen_weight):
+@pytest.mark.parametrize("bias_grad_apart", [False, True])
+def test_fused_dense_func_paths(fake_ext, monkeypatch, bias, return_residual, frozen_weight, bias_grad_apart):
+    """bias_grad_apart: the bias gradient from Triton's bias_grad (sm90 and up) rather than the
+    GEMM's BGRADB epilogue."""
+    monkeypatch.setattr(fd, "_bias_grad_apart", lambda grad_output: bias_grad_apart)
     torch.manual_seed(0)
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(24, 16, dtype=torch.float64, requires_grad=not frozen_weight)
@@ -329,13 +334,17 @@ def test_fused_dense_func_paths(fake_ext, bias, return_residual, frozen_weight):
     for got, want in zip([xs.grad, ws.grad, None if bs is None else bs.grad], grads_ref):
         assert_close64(got, want)
     assert fake_ext.calls["linear_bias_wgrad"] == (0 if frozen_weight else 1)
+    assert fake_ext.calls["bgradb_epilogue"] == (0 if frozen_weight or bias_grad_apart else int(bias))
 
 
 @pytest.mark.parametrize("layer", ["dense", "mlp"])
-def test_autocast_fp32_parameters_get_fp32_fused_weight_grads(fake_ext, monkeypatch, layer):
+@pytest.mark.parametrize("bias_grad_apart", [False, True])
+def test_autocast_fp32_parameters_get_fp32_fused_weight_grads(fake_ext, monkeypatch, layer, bias_grad_apart):
     """Half-precision compute (autocast) on fp32 parameters: the fused weight-gradient GEMMs are
-    asked for fp32 gradients (no cast after them), and the gradients match the plain layer's."""
+    asked for fp32 gradients (no cast after them), and so is bias_grad where it takes the bias
+    gradients (bias_grad_apart); the gradients match the plain layer's."""
     monkeypatch.setattr(fd, "_HALF_DTYPES", (torch.bfloat16,))
+    monkeypatch.setattr(fd, "_bias_grad_apart", lambda grad_output: bias_grad_apart)
     torch.manual_seed(0)
     fused = (FusedDense(16, 24) if layer == "dense"
              else FusedMLP(16, 128, 24, activation="gelu_approx", heuristic=0))
@@ -349,6 +358,7 @@ def test_autocast_fp32_parameters_get_fp32_fused_weight_grads(fake_ext, monkeypa
         out.float().square().sum().backward()
     gemms = 1 if layer == "dense" else 2
     assert fake_ext.calls["linear_bias_wgrad"] == gemms and fake_ext.calls["fp32_grads"] == gemms
+    assert fake_ext.calls["bgradb_epilogue"] == (0 if bias_grad_apart else gemms)
     for (name, got), want in zip(fused.named_parameters(), plain.parameters()):
         assert got.grad.dtype == torch.float32, name
         torch.testing.assert_close(got.grad, want.grad, rtol=2e-2, atol=2e-2, msg=name)
@@ -741,6 +751,29 @@ def test_fused_mlp_gpu_fallbacks_equal_plain_mlp(case):
         assert torch.equal(got, want)
 
 
+
+def test_auto_plan_while_capturing(fake_ext, monkeypatch):
+    """While a CUDA graph captures (or torch.compile traces) nothing can be timed: the plan cached
+    by the warm-up steps runs, and an untuned problem runs unfused without being cached."""
+    tables = dict(fwd={-1: 10, 0: 9.5, 1: 8, 2: 9}, wgrad={-1: 5, 0: 4}, bwd={-1: 10, 0: 8, 1: 11},
+                  whole={(-1, -1, -1): 30, (1, 0, 0): 25})
+    log = []
+    monkeypatch.setattr(autotune, "_time_candidates", scripted_timer(tables, log))
+    mlp = FusedMLP(16, 128, dtype=torch.float64)
+    x = torch.randn(6, 16, dtype=torch.float64)
+    w1, w2, b1, b2 = mlp.fc1.weight, mlp.fc2.weight, mlp.fc1.bias, mlp.fc2.bias
+
+    def plan(rows):
+        return autotune.plan_for(x[:rows], w1, w2, b1, b2, torch.float64, "gelu_approx", True, None, False)
+
+    assert plan(6) == (1, 0, 0)  # tuned (the warm-up step)
+    tuned = len(log)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert plan(6) == (1, 0, 0)  # the cached plan, not -1
+    assert plan(4) == -1  # never tuned: unfused, nothing timed or cached
+    assert len(log) == tuned and len(autotune.AUTO_PLANS) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["gelu_approx", "relu"])
 def test_auto_plan_gpu(monkeypatch, activation):
@@ -772,9 +805,12 @@ def test_auto_plan_gpu(monkeypatch, activation):
 
 
 @pytest.mark.gpu
-def test_time_candidates_times_work():
+@pytest.mark.parametrize("gpu_time", [True, False])
+def test_time_candidates_times_work(gpu_time):
     a = torch.randn(2048, 2048, device="cuda")
     times = autotune._time_candidates({"small": lambda: a @ a,
-                                       "large": lambda: [a @ a for _ in range(8)]})
+                                       "large": lambda: [a @ a for _ in range(8)]}, gpu_time=gpu_time)
     small, large = times["small"], times["large"]
     assert 0 < small < large
+    if gpu_time:  # the head start is not timed: 8 products take about 8 times one
+        assert 5 * small < large < 11 * small
