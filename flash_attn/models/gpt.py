@@ -47,7 +47,7 @@ from flash_attn.models.registry import (  # noqa: F401  (remap_state_dict_any: a
 )
 from flash_attn.modules.block import Block, ParallelBlock, _is_rms_norm, _norm_eps, fused_add_norm_fn
 from flash_attn.modules.embedding import GPT2Embeddings, ParallelGPT2Embeddings
-from flash_attn.modules.mha import MHA, ParallelMHA, import_optional, warn_fallback
+from flash_attn.modules.mha import MHA, ParallelMHA, warn_fallback
 from flash_attn.modules.mlp import GatedMlp, Mlp, ParallelGatedMlp, ParallelMLP, fused_mlp_cls
 from flash_attn.utils.generation import GenerationMixin
 
@@ -121,6 +121,8 @@ def create_mlp_cls(config, layer_idx=None, process_group=None, device=None, dtyp
             return partial(fused_mlp_cls(), hidden_features=inner_dim, activation=fused_name,
                            checkpoint_lvl=getattr(config, "mlp_checkpoint_lvl", 0), **bias, **factory)
         elif process_group is not None:
+            from flash_attn.modules.mha import import_optional
+
             parallel_fused = import_optional("flash_attn.ops.fused_dense", "ParallelFusedMLP")
             if parallel_fused is not None:
                 return partial(parallel_fused, hidden_features=inner_dim, activation=fused_name,
@@ -334,12 +336,7 @@ class GPTLMHeadModel(GPTPreTrainedModel, GenerationMixin):
             self.project_out = nn.Linear(config.n_embd, word_embed_proj_dim, bias=False, **factory)
             embed_dim = word_embed_proj_dim
         if process_group is None:
-            # fused_bias_fc: FusedDense, whose weight gradient comes out of the GEMM in the
-            # parameter's dtype under autocast (fp32: no cast of a vocab x width gradient after it).
-            head_cls = nn.Linear
-            if getattr(config, "fused_bias_fc", False):
-                head_cls = import_optional("flash_attn.ops.fused_dense", "FusedDense") or nn.Linear
-            self.lm_head = head_cls(embed_dim, vocab_size, bias=lm_head_bias, **factory)
+            self.lm_head = nn.Linear(embed_dim, vocab_size, bias=lm_head_bias, **factory)
         else:
             from flash_attn.ops.fused_dense import ColumnParallelLinear
 

@@ -3,7 +3,8 @@
 Paths a call can take:
 - fused: CUDA fp16/bf16 inputs (or fp32 under CUDA autocast) with the extension built. FusedDense
   runs its forward on F.linear and gets the bias gradient from the weight-gradient GEMM's BGRADB
-  epilogue (on sm90 and up from flash_attn.ops.triton.bias_grad instead, see _bias_grad_apart);
+  epilogue (in CUDA graphs on sm90 and up from flash_attn.ops.triton.bias_grad instead, see
+  _bias_grad_apart);
   FusedMLP also fuses bias + activation into the first GEMM's epilogue (saving the
   pre-activation, GELU_AUX_BIAS / RELU_AUX_BIAS) and the activation's gradient into the second
   GEMM's input gradient (DGELU / DRELU; the first layer's bias gradient comes from its weight
@@ -71,14 +72,23 @@ def _autocast_dtype(x):
     return compute_dtype(x.device.type, x.dtype)
 
 
+def _capturing(t):
+    """Whether a CUDA graph is capturing t's work: there only the GPU's time counts. Outside one,
+    a Triton launch's host time (tens of microseconds) can cost an eager step more than the
+    kernel saves: FusedMLP at 8192 x 1024 -> 4096 fell from 1.1x to 0.7x the plain MLP in the
+    benchmark's host-timed step with bias_grad in eager mode (session thirteenth)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _cast(dtype, *tensors):
     """The tensors (None kept) in dtype: a layer's parameters under autocast. Two or more CUDA
-    tensors of one dtype go through one kernel (flash_attn.ops.triton.cast: one launch per layer
-    instead of one per parameter), except while torch.compile traces, which fuses casts itself."""
+    tensors of one dtype go through one kernel while a CUDA graph captures
+    (flash_attn.ops.triton.cast: one node per layer instead of one per parameter); elsewhere
+    torch's casts, which cost the host less."""
     present = [t for t in tensors if t is not None]
     if (len(present) > 1 and all(t.is_cuda and t.is_contiguous() and t.dtype == present[0].dtype
                                  and t.device == present[0].device for t in present)
-            and present[0].dtype != dtype and not torch.compiler.is_compiling()):
+            and present[0].dtype != dtype and _capturing(present[0])):
         from flash_attn.ops.triton.cast import cast_tensors
 
         casts = iter(cast_tensors(dtype, present))
@@ -178,11 +188,11 @@ def _fp32_grads(x, weight, bias):
 
 
 def _bias_grad_apart(grad_output):
-    """Whether the fused weight gradient leaves the bias gradient to Triton's bias_grad: on sm90
-    and up, where cuBLASLt runs the BGRADB epilogue as a kernel of its own after the GEMM, at
-    1.4-2 TB/s on the H200 (a third of the GPT-2 medium backward's bias-gradient time went there);
-    bias_grad sums the same bytes near copy speed. Elsewhere the epilogue stays (not measured)."""
-    return grad_output.is_cuda and torch.cuda.get_device_capability(grad_output.device)[0] >= 9
+    """Whether the fused weight gradient leaves the bias gradient to Triton's bias_grad: while a
+    CUDA graph captures (_capturing) on sm90 and up, where cuBLASLt runs the BGRADB epilogue as
+    a kernel of its own after the GEMM, at 1.4-2 TB/s on the H200 (1.76 ms of GPT-2 medium's
+    step); bias_grad sums the same bytes at up to 3.3 TB/s. Elsewhere the epilogue stays."""
+    return _capturing(grad_output) and torch.cuda.get_device_capability(grad_output.device)[0] >= 9
 
 
 def _wgrad(input, grad_output, need_bias, fused, fp32_grads=False):

@@ -2,8 +2,9 @@
 each) to the compute dtype in one kernel.
 
 Under autocast on fp32 parameters every fused layer casts its weights and biases in each forward:
-GPT-2 medium's step ran 194 cast kernels, a quarter of them on biases of a few thousand elements,
-whose launch and ramp cost more than their bytes. One launch per layer moves the same bytes.
+GPT-2 medium's step ran 194 cast kernels (0.85 ms), half of them on biases of a few thousand
+elements, whose launch and ramp cost more than their bytes. One launch per layer moves the same
+bytes; flash_attn.ops.fused_dense uses it while a CUDA graph captures (_cast).
 """
 
 import torch
