@@ -76,8 +76,9 @@ def _capturing(t):
     """Whether a CUDA graph is capturing t's work: there only the GPU's time counts. Outside one,
     a Triton launch's host time (tens of microseconds) can cost an eager step more than the
     kernel saves: FusedMLP at 8192 x 1024 -> 4096 fell from 1.1x to 0.7x the plain MLP in the
-    benchmark's host-timed step with bias_grad in eager mode (session thirteenth)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    benchmark's host-timed step with bias_grad in eager mode (session thirteenth). False while
+    torch.compile traces (which fuses casts and sums itself)."""
+    return t.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
 
 
 def _cast(dtype, *tensors):
