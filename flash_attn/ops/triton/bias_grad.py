@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_attn.ops.triton.launch_device import launch_device
+from flash_attn.ops.triton.launch_device import launch_device, sm_count
 
 # (rows per tile, columns per program, warps, programs per SM): the best at every shape of a sweep
 # on the H200 (rows 16/32/64, columns 128/256, 4/8 warps, 2/4/8 programs per SM; 8192 x 1024-4096
@@ -53,7 +53,7 @@ def _bias_grad_kernel(G, OUT, PARTIALS, TICKETS, M, N, stride_m, rows_per_band,
 def _sm_count(device):
     if device.type != "cuda":
         return 2  # the interpreter: a few bands, so that the ticket and the band sum run
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device.index)
 
 
 def _config(N):

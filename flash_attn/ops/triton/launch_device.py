@@ -5,6 +5,7 @@ Without the interpreter Triton has no CPU backend and fails with "0 active drive
 should only be one.", which names neither the op nor the tensor; launch_device says both.
 """
 
+import functools
 import os
 from contextlib import nullcontext
 
@@ -34,3 +35,10 @@ def launch_device(op_name: str, arg_name: str, tensor: torch.Tensor):
             "Move the inputs to a GPU, or set TRITON_INTERPRET=1 before flash_attn is imported "
             "to run the kernel in the Triton interpreter on CPU (slow; for tests).")
     return nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index):
+    """Streaming multiprocessors of a CUDA device: what the launchers size persistent grids by
+    (cached: the host's cost per launch counts at small sizes)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

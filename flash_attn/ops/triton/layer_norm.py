@@ -14,14 +14,13 @@ PyTorch's generator, so the backward regenerates the mask instead of reading it.
 tensors under TRITON_INTERPRET=1.
 """
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from flash_attn.ops.triton.launch_device import launch_device
+from flash_attn.ops.triton.launch_device import sm_count as _sm_count  # (tests patch this name)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -540,11 +539,6 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
             )
     return (out, y1, mean, rstd, residual_out if residual_out is not None else x, seeds,
             dropout_mask, dropout_mask1)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _bwd_programs_per_sm(block_n):
