@@ -353,7 +353,9 @@ void check_transposed_dropout(const char *name) {
     }
 }
 
-// The warp-specialised backward (keys as the M dimension of S^T and dP^T).
+// The warp-specialised backward (keys as the M dimension of S^T and dP^T). d256 (kSplitHeadDim):
+// P^T goes through shared memory, written and read in SmemLayoutdSt like dS^T, so there is no
+// register hand-over to check; its dK / dV operands both come from shared memory.
 template <int kHeadDim>
 void check_backward_ws() {
     using Element = cutlass::bfloat16_t;
@@ -378,7 +380,9 @@ void check_backward_ws() {
             }
         }
     }
-    check_p_as_a_operand<typename Ws::TiledMmaSdP, typename Ws::TiledMmadKV, kN, kM>(name, kThreads);
+    if constexpr (!Ws::kSplitHeadDim) {
+        check_p_as_a_operand<typename Ws::TiledMmaSdP, typename Ws::TiledMmadKV, kN, kM>(name, kThreads);
+    }
     using Fwd = flash::ForwardTraits<kHeadDim, 128, 128, 4, Element>;  // any m16n8 S tile draws the same mask
     check_transposed_dropout<typename Fwd::TiledMma, Fwd::kNThreads, typename Ws::TiledMmaSdP, kThreads, kM, kN>(name);
     check_column_pairs<typename Ws::TiledMmadKV, kN, kHeadDim>(name, kThreads);
@@ -388,7 +392,7 @@ void check_backward_ws() {
     check_transposed_views<Element, typename Ws::SmemLayoutQdO, typename Ws::SmemLayoutQdOt, kM, kHeadDim>(name);
     check_transposed_views<Element, typename Ws::SmemLayoutKV, typename Ws::SmemLayoutKt, kN, kHeadDim>(name);
     check_warpgroup_operands<typename Ws::TiledMmaSdP, kN, kM, kHeadDim, true>(name, kThreads);
-    check_warpgroup_operands<typename Ws::TiledMmadKV, kN, kHeadDim, kM, false>(name, kThreads);
+    check_warpgroup_operands<typename Ws::TiledMmadKV, kN, kHeadDim, kM, Ws::kSplitHeadDim>(name, kThreads);
     check_warpgroup_operands<typename Ws::TiledMmadQ, kM, kHeadDim, kN, true>(name, kThreads);
 }
 
@@ -473,6 +477,7 @@ int main() {
     check_head_dim<256>();
     check_backward_ws<64>();
     check_backward_ws<128>();
+    check_backward_ws<256>();
     check_forward_ws<64, false, false>();
     check_forward_ws<64, true, false>();
     check_forward_ws<128, false, false>();

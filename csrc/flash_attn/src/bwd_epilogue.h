@@ -103,12 +103,13 @@ __device__ __forceinline__ void store_dkv_staged(Acc &acc, TiledMma const &tiled
 }
 
 // Adds a query block's dQ (an accumulator of tiled_mma_dq) into its rows of dq_accum (block_row0:
-// the block's first dq_accum row), two adjacent columns per vector reduction.
+// the block's first dq_accum row), two adjacent columns per vector reduction. tid: the thread's
+// index in tiled_mma.
 template <typename Traits, typename Acc, typename TiledMma>
-__device__ __forceinline__ void add_dq_accum(Acc const &acc_dq, TiledMma const &tiled_mma, float *dq_accum_block,
-                                             int64_t block_row0) {
+__device__ __forceinline__ void add_dq_accum(Acc const &acc_dq, TiledMma const &tiled_mma, unsigned tid,
+                                             float *dq_accum_block, int64_t block_row0) {
     constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-    Tensor tc = tiled_mma.get_thread_slice(threadIdx.x).partition_C(
+    Tensor tc = tiled_mma.get_thread_slice(tid).partition_C(
         make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {  // (i, i + 1): adjacent columns of one row

@@ -497,7 +497,7 @@ __device__ void bwd_key_block(const AttentionParams &params, const SequenceInfo 
             clear(acc_dq);
             gemm(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq_sync, smem_copy_A_dq, smem_copy_Bt_dq,
                  thr_copy_A_dq, thr_copy_Bt_dq);
-            add_dq_accum<Traits>(acc_dq, tiled_mma_dq, dq_accum + int64_t(m_block) * kBlockM * kHeadDim,
+            add_dq_accum<Traits>(acc_dq, tiled_mma_dq, threadIdx.x, dq_accum + int64_t(m_block) * kBlockM * kHeadDim,
                                  dq_row0 + int64_t(m_block) * kBlockM);
         }
     }

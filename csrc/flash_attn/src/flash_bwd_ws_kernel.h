@@ -11,8 +11,16 @@
 //    dQ = dS K, which the two warpgroups split.
 // The producer warpgroup gives its registers to the consumers (setmaxnreg).
 //
-// Scope: head dims 64 and 128, padded and varlen inputs, causal / window, ALiBi, softcap, dropout
-// (the forward's mask, drawn on S^T: Dropout::apply_transposed), GQA/MQA, the deterministic mode.
+// Head dim 256 (BackwardWs::kSplitHeadDim): dK and dV of 64 keys x 256 columns would take a
+// consumer 256 registers, so there a CTA owns 64 keys and the warpgroups split the head dim of dK,
+// dV and dQ instead: each computes S^T and dP^T for half of the query block's columns, writes P^T
+// and dS^T to shared memory (one barrier), and runs dV, dK (both operands in shared memory) and dQ
+// over its 128 columns. dQ goes to dq_accum from registers (vector reductions): its 64 KB staging
+// tile does not fit beside two Q/dO stages of 32 KB each.
+//
+// Scope: head dims 64, 128 and 256, padded and varlen inputs, causal / window, ALiBi, softcap,
+// dropout (the forward's mask, drawn on S^T: Dropout::apply_transposed), GQA/MQA, the
+// deterministic mode (d256: a thread's reductions into its CTA's dq_accum split, in program order).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -41,22 +49,37 @@ struct BackwardWs {
     static constexpr int kHeadDim = kHeadDim_;
     // 64 query rows: at d128 the dK and dV accumulators leave room for no more; at d64 128 rows
     // spilled and were no faster. A third Q/dO stage at d64 (whose stages are small): +10% at 16K.
-    static constexpr int kBlockM = 64, kBlockN = 128, kStages = kHeadDim == 64 ? 3 : 2;
+    // d256: 64 keys, the head dim split between the warpgroups (see the top of the file).
+    static constexpr bool kSplitHeadDim = kHeadDim == 256;
+    static constexpr int kBlockM = 64, kBlockN = kSplitHeadDim ? 64 : 128, kStages = kHeadDim == 64 ? 3 : 2;
     static constexpr int kConsumerThreads = 256, kThreads = 128 + kConsumerThreads;
     static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
-    static_assert(kHeadDim == 64 || kHeadDim == 128);
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256);
     static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= ws_register_pool(kThreads),
                   "setmaxnreg would wait forever for registers the block does not have");
 
-    // S^T and dP^T (kBlockN x kBlockM): warpgroup w owns keys [64 w, 64 w + 64).
-    using TiledMmaSdP = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
-        Layout<Shape<_2, _1, _1>>{}));
-    // dV += P^T dO and dK += dS^T Q (kBlockN x head dim): the same keys, A from registers.
-    using TiledMmadKV = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
-                             GMMA::Major::MN>(),
-        Layout<Shape<_2, _1, _1>>{}));
+    // S^T and dP^T (kBlockN x kBlockM): warpgroup w owns keys [64 w, 64 w + 64); d256: the 64 keys
+    // and queries [32 w, 32 w + 32).
+    using TiledMmaSdP = std::conditional_t<
+        kSplitHeadDim,
+        decltype(make_tiled_mma(
+            GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(),
+            Layout<Shape<_1, _2, _1>>{})),
+        decltype(make_tiled_mma(
+            GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+            Layout<Shape<_2, _1, _1>>{}))>;
+    // dV += P^T dO and dK += dS^T Q (kBlockN x head dim): the same keys, A from registers; d256:
+    // every key, columns [128 w, 128 w + 128), A (P^T, dS^T) from shared memory.
+    using TiledMmadKV = std::conditional_t<
+        kSplitHeadDim,
+        decltype(make_tiled_mma(
+            GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
+                                 GMMA::Major::K, GMMA::Major::MN>(),
+            Layout<Shape<_1, _2, _1>>{})),
+        decltype(make_tiled_mma(
+            GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                                 GMMA::Major::MN>(),
+            Layout<Shape<_2, _1, _1>>{}))>;
     // dQ = dS K (kBlockM x head dim): the warpgroups split the head dim. At d64 the second one's 32
     // columns of K start 64 bytes into a 128-byte swizzled row (its descriptor's start address, as a
     // K-major operand's k-slices do); the default kernel never reads K so (if only d64's dq is ever
@@ -70,7 +93,7 @@ struct BackwardWs {
     using SmemLayoutKt = SmemColsMajor<Element, kBlockN, kHeadDim>;   // K: B of dQ
     using SmemLayoutQdO = SmemKMajor<Element, kBlockM, kHeadDim>;     // Q, dO (a stage): B of S^T, dP^T
     using SmemLayoutQdOt = SmemColsMajor<Element, kBlockM, kHeadDim>; // the same bytes: B of dK, dV
-    using SmemLayoutdSt = SmemKMajor<Element, kBlockN, kBlockM>;      // dS^T as the consumers write it
+    using SmemLayoutdSt = SmemKMajor<Element, kBlockN, kBlockM>;      // dS^T (d256: and P^T) as written: A of dK, dV
     using SmemLayoutdS = SmemColsMajor<Element, kBlockN, kBlockM>;    // the same bytes: A of dQ
     static constexpr int kQdOElems = kBlockM * kHeadDim, kdSElems = kBlockN * kBlockM;
 
@@ -80,7 +103,8 @@ struct BackwardWs {
         alignas(1024) cute::array_aligned<Element, kQdOElems * kStages> q;
         alignas(1024) cute::array_aligned<Element, kQdOElems * kStages> dout;
         alignas(1024) cute::array_aligned<Element, kdSElems * 2> ds;  // double-buffered: see the consumers
-        alignas(1024) cute::array_aligned<float, kBlockM * kHeadDim> dq;
+        alignas(1024) cute::array_aligned<Element, kSplitHeadDim ? kdSElems * 2 : 8> p;  // P^T (d256), as ds
+        alignas(1024) cute::array_aligned<float, kSplitHeadDim ? 4 : kBlockM * kHeadDim> dq;  // (unused at d256)
         alignas(16) float lse_log2[kStages][kBlockM];  // the forward's lse * log2(e), +inf past the sequence
         alignas(16) float softmax_d[kStages][kBlockM];
         alignas(16) cutlass::arch::ClusterTransactionBarrier full[kStages];  // Q, dO, lse, d of a stage landed
@@ -284,7 +308,8 @@ __device__ __forceinline__ void bwd_ws_store_dkv(const AttentionParams &params, 
 template <typename Ws, bool Is_dropout, bool Is_masked>
 __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, typename Ws::SharedStorage &storage,
                                                  const BwdWsSchedule<Ws, Is_masked> &schedule,
-                                                 const SequenceInfo &seq, int bidb, int bidh, int64_t dq_row0) {
+                                                 const SequenceInfo &seq, int bidb, int bidh, int64_t dq_row0,
+                                                 float *dq_accum) {
     using Element = typename Ws::Element;
     constexpr int kBlockM = Ws::kBlockM, kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim, kStages = Ws::kStages;
     const unsigned ctid = threadIdx.x - 128;
@@ -320,6 +345,15 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
         return wg_dq.partition_fragment_A(
             smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdS{}));
     };
+    // d256: P^T and dS^T as the A operands of dV and dK, from shared memory.
+    auto tdVrPt = [&](int buf) {
+        return wg_dkv.partition_fragment_A(
+            smem_view(stage_of(storage.p, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{}));
+    };
+    auto tdKrdSt = [&](int buf) {
+        return wg_dkv.partition_fragment_A(
+            smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{}));
+    };
     // dS^T: registers -> shared memory with stmatrix (each warp stores its own 16 keys' rows, four
     // 8 x 8 tiles an instruction), and back with ldmatrix (the softcap's derivative). Element-wise
     // copies compiled to generic 32-bit stores whose 64-bit addresses stayed live in registers.
@@ -331,6 +365,9 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
         return smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{});
     };
     auto tdSsdS = [&](int buf) { return thr_copy_ds.partition_D(sdSt(buf)); };
+    auto tdSsP = [&](int buf) {
+        return thr_copy_ds.partition_D(smem_view(stage_of(storage.p, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{}));
+    };
 
     // Each S^T element's (key, query) in the tile, and the same elements as (query, key) for the
     // score modifications (which index S).
@@ -422,8 +459,12 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                     compute_ds(std::false_type{});
                 }
                 Tensor rP = convert_type<Element>(acc_s);
-                Tensor tdVrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
-                wgmma_gemm<false, true>(tiled_mma_dkv, tdVrP, tdVrdO(stage), acc_dv);
+                if constexpr (Ws::kSplitHeadDim) {  // P^T beside dS^T: each warpgroup needs all of both
+                    cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rP), tdSsP(ds_buf));
+                } else {
+                    Tensor tdVrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
+                    wgmma_gemm<false, true>(tiled_mma_dkv, tdVrP, tdVrdO(stage), acc_dv);
+                }
                 Tensor rdS = convert_type<Element>(acc_dp);
 
                 // dS to shared memory for dQ = dS K, which needs both warpgroups' keys. The buffers
@@ -434,19 +475,28 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                 named_barrier_sync<Ws::kBarrierdS, Ws::kConsumerThreads>();
                 Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
                 wgmma_gemm<true>(tiled_mma_dq, tdQrdS(ds_buf), tdQrK, acc_dq);
-                Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_operand(rdS.layout()));
-                wgmma_gemm<false, true>(tiled_mma_dkv, tdKrdS, tdKrQ(stage), acc_dk);
-                warpgroup_wait<1>();  // dV and dQ landed; dK may still run
-                warpgroup_fence_operand(acc_dq);
-                warpgroup_fence_operand(rP);  // P^T's registers were read by dV until here
+                if constexpr (Ws::kSplitHeadDim) {
+                    wgmma_gemm<false>(tiled_mma_dkv, tdVrPt(ds_buf), tdVrdO(stage), acc_dv);
+                    wgmma_gemm<false>(tiled_mma_dkv, tdKrdSt(ds_buf), tdKrQ(stage), acc_dk);
+                    warpgroup_wait<2>();  // dQ landed; dV and dK may still run
+                    warpgroup_fence_operand(acc_dq);
+                    add_dq_accum<Ws>(acc_dq, tiled_mma_dq, ctid, dq_accum + int64_t(m_block) * kBlockM * kHeadDim,
+                                     dq_row0 + int64_t(m_block) * kBlockM);
+                } else {
+                    Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_operand(rdS.layout()));
+                    wgmma_gemm<false, true>(tiled_mma_dkv, tdKrdS, tdKrQ(stage), acc_dk);
+                    warpgroup_wait<1>();  // dV and dQ landed; dK may still run
+                    warpgroup_fence_operand(acc_dq);
+                    warpgroup_fence_operand(rP);  // P^T's registers were read by dV until here
 
-                // dQ to shared memory in dq_accum's byte order, for the dQ warp's bulk reduction.
-                if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
-                stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, ctid, storage.dq.data(),
-                                                  dq_row0 + int64_t(m_block) * kBlockM);
-                fence_smem_for_wgmma();  // the bulk reduction reads through the async proxy
-                named_barrier_arrive<Ws::kBarrierDqFull, Ws::kDqBarrierThreads>();
-                ++dq_tiles;
+                    // dQ to shared memory in dq_accum's byte order, for the dQ warp's bulk reduction.
+                    if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
+                    stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, ctid, storage.dq.data(),
+                                                      dq_row0 + int64_t(m_block) * kBlockM);
+                    fence_smem_for_wgmma();  // the bulk reduction reads through the async proxy
+                    named_barrier_arrive<Ws::kBarrierDqFull, Ws::kDqBarrierThreads>();
+                    ++dq_tiles;
+                }
 
                 warpgroup_wait<0>();
                 warpgroup_fence_operand(acc_dk);
@@ -499,13 +549,13 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         if (warp == 0) {
             bwd_ws_producer<Ws>(args, storage, schedule, seq, bidb, bidh, lane);
-        } else if (warp == 1) {
+        } else if (warp == 1 && !Ws::kSplitHeadDim) {  // d256: the consumers add dQ themselves
             bwd_ws_dq_writer<Ws>(storage, schedule, dq_accum, lane);
         }
         return;
     }
     cutlass::arch::warpgroup_reg_alloc<Ws::kConsumerRegisters>();
-    bwd_ws_consumers<Ws, Is_dropout>(params, storage, schedule, seq, bidb, bidh, dq_row0);
+    bwd_ws_consumers<Ws, Is_dropout>(params, storage, schedule, seq, bidb, bidh, dq_row0, dq_accum);
 #else
     __trap();  // only sm_90a images reach here; never leave the gradients unwritten
 #endif
