@@ -8,7 +8,6 @@ kernels' grids and durations.
 import collections
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -20,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(1, str(REPO))
 import benchmark_gpt  # noqa: E402
+from _common import time_ms  # noqa: E402
 
 from flash_attn.ops import fused_dense_autotune  # noqa: E402
 
@@ -46,19 +46,6 @@ def category(kernel_name):
     return "other"
 
 
-def timed_steps(step, count=10):
-    """Median milliseconds of step() over count calls."""
-    times = []
-    for _ in range(count):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def kernel_sequence(prof, replays):
     """The kernels of the first profiled replay, in launch order, from the chrome trace."""
     trace = os.path.join(tempfile.mkdtemp(), "trace.json")
@@ -75,7 +62,7 @@ def run(name, preset, batch, replays=3):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
     ids = torch.randint(0, benchmark_gpt.VOCAB, (batch, 1024), device="cuda")
     step = benchmark_gpt.capture_step(loss_of, ids, optimizer, 3)
-    step_ms = timed_steps(step)
+    step_ms = time_ms(step, warmup=100, rep=400)  # about ten 40 ms steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             step()

@@ -815,7 +815,6 @@ def test_auto_plan_gpu(monkeypatch, activation):
         mlp.eval()(x)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", ["dense", "mlp"])
 def test_fused_layers_in_cuda_graph_match_eager(layer):
