@@ -122,14 +122,15 @@ def _dropout(v, SEEDS, rows, in_rows, dropout_p, BLOCK_N: tl.constexpr):
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, Y, W, B, RESIDUAL, X1, W1, B1, Y1, RESIDUAL_OUT, ROWSCALE, SEEDS, DROPOUT_MASK,
-    DROPOUT_MASK1, MEAN, RSTD,
+    DROPOUT_MASK1, MEAN, RSTD, BWD_SUMS,
     stride_x_row, stride_y_row, stride_res_row, stride_res_out_row, stride_x1_row, stride_y1_row,
-    M, N, eps, dropout_p,
+    M, N, eps, dropout_p, bwd_sums_numel,
     IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
     ZERO_CENTERED_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     STORE_RESIDUAL_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_DROPOUT_MASK: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_X1: tl.constexpr,
     HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ZERO_BWD_SUMS: tl.constexpr,
 ):
     # Tiles of ROWS_PER_PROGRAM whole rows, held in registers; several rows per tile share one
     # load of the weights at small hidden sizes. A program takes tiles pid, pid + programs, ...
@@ -137,6 +138,12 @@ def _layer_norm_fwd_kernel(
     # reduces); with one tile per program the loop runs once.
     cols = tl.arange(0, BLOCK_N)
     in_row = cols < N
+    if ZERO_BWD_SUMS:
+        # The backward's atomic sums (and ticket), zeroed here: the backward then needs no
+        # memset of its own (a graph node of its own at hidden 1K; _layer_norm_bwd's bwd_sums).
+        step = tl.num_programs(0) * BLOCK_N
+        for start in range(tl.program_id(0) * BLOCK_N, bwd_sums_numel, step):
+            tl.store(BWD_SUMS + start + cols, 0.0, mask=start + cols < bwd_sums_numel)
     w = tl.load(W + cols, mask=in_row).to(tl.float32)
     if ZERO_CENTERED_WEIGHT:
         w += 1.0
@@ -209,6 +216,12 @@ def _sum_copies(SUMS, cols, in_row, N, SUM_COPIES: tl.constexpr):
 
 
 @triton.jit
+def _zero_copies(SUMS, cols, in_row, N, SUM_COPIES: tl.constexpr):
+    for c in tl.static_range(SUM_COPIES):
+        tl.store(SUMS + c * N + cols, 0.0, mask=in_row)
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     X, W, B, Y, DY, DX, DW, DB, DRESIDUAL, W1, DY1, DX1, DW1, DB1, DRESIDUAL_IN, ROWSCALE, SEEDS,
     MEAN, RSTD, DW_OUT, DB_OUT, DW1_OUT, DB1_OUT, TICKETS,
@@ -220,11 +233,12 @@ def _layer_norm_bwd_kernel(
     STORE_DRESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_ROWSCALE: tl.constexpr, HAS_DY1: tl.constexpr, HAS_DX1: tl.constexpr,
     HAS_B1: tl.constexpr, RECOMPUTE_OUTPUT: tl.constexpr, ATOMIC_PARAM_GRADS: tl.constexpr,
-    SUM_COPIES: tl.constexpr,
+    SUM_COPIES: tl.constexpr, REZERO_SUMS: tl.constexpr,
 ):
     # DW / DB / DW1 / DB1: fp32 sums of the parameter gradients. ATOMIC_PARAM_GRADS: SUM_COPIES
     # zeroed rows each that the programs add into, and the last program to finish (by the
-    # TICKETS count) writes their sum to DW_OUT / ... in the parameters' dtypes; otherwise a row
+    # TICKETS count) writes their sum to DW_OUT / ... in the parameters' dtypes (REZERO_SUMS: and
+    # zeroes them again, for the next backward of the forward that zeroed them); otherwise a row
     # per program (programs x N) that the launcher sums.
     # Each iteration takes a tile of ROWS_PER_ITER rows of the program's band, and the loop is
     # pipelined NUM_STAGES deep: the next tiles' loads are in flight while this one reduces.
@@ -333,6 +347,15 @@ def _layer_norm_bwd_kernel(
                 if HAS_B1:
                     tl.store(DB1_OUT + cols, _sum_copies(DB1, cols, in_row, N, SUM_COPIES),
                              mask=in_row)
+            if REZERO_SUMS:
+                tl.debug_barrier()  # every thread's reads of the sums before any zero lands
+                _zero_copies(DW, cols, in_row, N, SUM_COPIES)
+                if HAS_BIAS:
+                    _zero_copies(DB, cols, in_row, N, SUM_COPIES)
+                if HAS_DY1:
+                    _zero_copies(DW1, cols, in_row, N, SUM_COPIES)
+                    if HAS_B1:
+                        _zero_copies(DB1, cols, in_row, N, SUM_COPIES)
     else:
         tl.store(DW + pid * N + cols, tl.sum(dw, axis=0), mask=in_row)
         if HAS_BIAS:
@@ -378,9 +401,11 @@ def _block_n(x, N):
 
 # Hidden 1K-8K on the H200 (bf16; the sweeps of LayerNorm, RMSNorm and dropout + residual +
 # LayerNorm in benchmarks/RESULTS.md, session sixth, the config with the best worst case): forward
-# (rows per tile, warps, looping programs per SM, stages), the backward's programs per SM.
+# (rows per tile, warps, looping programs per SM, stages), the backward's programs per SM (2K: 3,
+# session fifteenth, once the forward zeroed the sums: LayerNorm 85.3-85.5% of copy against
+# 82.5-84.2% at 2, three alternating runs each, graph-timed).
 _FWD_TILES = {1024: (1, 1, 16, 3), 2048: (1, 4, 4, 4), 4096: (1, 4, 4, 3), 8192: (1, 8, 2, 3)}
-_BWD_PROGRAMS_PER_SM = {1024: 4, 2048: 2, 4096: 4, 8192: 2}
+_BWD_PROGRAMS_PER_SM = {1024: 4, 2048: 3, 4096: 4, 8192: 2}
 # Shared memory that the tiles in flight of a pipelined loop may take (Triton stages them there):
 # under the H200's 227 KB a block, with room for the reductions' scratch.
 _PIPELINE_SMEM_BYTES = 160 * 1024
@@ -486,9 +511,12 @@ def _check_fwd_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, ro
 def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, bias1=None,
                     dropout_p=0.0, rowscale=None, out_dtype=None, residual_dtype=None,
                     zero_centered_weight=False, is_rms_norm=False, return_dropout_mask=False,
-                    out=None, residual_out=None):
-    """2-D inputs. Returns (y, y1, mean, rstd, residual_out, seeds, dropout_mask, dropout_mask1);
-    residual_out is x itself when nothing changes the input (then it is not written)."""
+                    out=None, residual_out=None, bwd_sums=False):
+    """2-D inputs. Returns (y, y1, mean, rstd, residual_out, seeds, dropout_mask, dropout_mask1,
+    bwd_sums); residual_out is x itself when nothing changes the input (then it is not written).
+    bwd_sums: also return the atomic backward's sums buffer, zeroed by this kernel (None when
+    the backward will not take the atomic path or there are no rows): pass it to
+    _layer_norm_bwd."""
     _check_fwd_args(x, weight, bias, residual, x1, weight1, bias1, dropout_p, rowscale, out,
                     residual_out)
     device = launch_device(_op_name(is_rms_norm), "x", x)
@@ -516,17 +544,21 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
             dropout_mask1 = torch.empty(M, N, dtype=torch.bool, device=x.device)
     block_n = _block_n(x, N)
     rows_per_program, num_warps = _fwd_tile(block_n)
+    n_params = sum(t is not None for t in (weight, bias, weight1, bias1))
+    bwd_sums = (torch.empty(_bwd_sums_numel(x, M, block_n, n_params), dtype=torch.float32,
+                            device=x.device)
+                if bwd_sums and M > 0 and _atomic_param_grads() else None)
     if M > 0:
         with device:
             _layer_norm_fwd_kernel[(_fwd_programs(x, M, rows_per_program, block_n),)](
                 x, out, weight, bias, residual, x1, weight1, bias1, y1, residual_out, rowscale,
-                seeds, dropout_mask, dropout_mask1, mean, rstd,
+                seeds, dropout_mask, dropout_mask1, mean, rstd, bwd_sums,
                 x.stride(0), out.stride(0),
                 residual.stride(0) if residual is not None else 0,
                 residual_out.stride(0) if residual_out is not None else 0,
                 x1.stride(0) if x1 is not None else 0,
                 y1.stride(0) if y1 is not None else 0,
-                M, N, eps, dropout_p,
+                M, N, eps, dropout_p, bwd_sums.numel() if bwd_sums is not None else 0,
                 IS_RMS_NORM=is_rms_norm, BLOCK_N=block_n, ROWS_PER_PROGRAM=rows_per_program,
                 ZERO_CENTERED_WEIGHT=zero_centered_weight,
                 HAS_RESIDUAL=residual is not None, STORE_RESIDUAL_OUT=residual_out is not None,
@@ -535,18 +567,19 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
                 HAS_X1=x1 is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
                 NUM_STAGES=_pipeline_stages(_fwd_num_stages(block_n), _tile_bytes(
                     rows_per_program, block_n, x, residual, x1)),
+                ZERO_BWD_SUMS=bwd_sums is not None,
                 num_warps=num_warps,
             )
     return (out, y1, mean, rstd, residual_out if residual_out is not None else x, seeds,
-            dropout_mask, dropout_mask1)
+            dropout_mask, dropout_mask1, bwd_sums)
 
 
 def _bwd_programs_per_sm(block_n):
     """Backward programs per SM: _BWD_PROGRAMS_PER_SM at 1K-8K (sessions fifth and sixth: 4/8/16/32
-    at 1K, 2/4/8 at 2K, 1/2/4 at 4K, 1/2 at 8K); elsewhere 4 up to 4K, 1 beyond (4K elements of
-    rows a program below 1K). Each program also adds a row of sums (fp32, N wide, per parameter)
-    into the gradients, or writes a row of partials that the final sum reads: fewer programs, less
-    of it."""
+    at 1K, 2/4/8 at 2K, 1/2/4 at 4K, 1/2 at 8K; fifteenth: 2-8 at 1K-2K); elsewhere 4 up to 4K, 1
+    beyond (4K elements of rows a program below 1K). Each program also adds a row of sums (fp32,
+    N wide, per parameter) into the gradients, or writes a row of partials that the final sum
+    reads: fewer programs, less of it."""
     if block_n in _BWD_PROGRAMS_PER_SM:
         return _BWD_PROGRAMS_PER_SM[block_n]
     return 1 if block_n >= 8192 else min(max(4096 // block_n, 4), 32)
@@ -569,6 +602,13 @@ def _bwd_sum_copies(block_n, programs):
     reads the copies back, so they stay within 8K elements per parameter, and at most 4 (at 1K, 4
     were 1% faster than 8 or 2, and 6% faster than 16; session sixth)."""
     return max(1, min(4, 8192 // block_n, programs))
+
+
+def _bwd_sums_numel(x, M, block_n, n_params):
+    """fp32 elements of the atomic backward's sums: _bwd_sum_copies rows of N per parameter,
+    then the ticket counter (an int32 0 is fp32 0.0, so one zeroing covers both)."""
+    programs, _ = _bwd_bands(x, M, _bwd_tile(block_n)[0], block_n)
+    return n_params * _bwd_sum_copies(block_n, programs) * x.shape[1] + 1
 
 
 def _atomic_param_grads():
@@ -607,9 +647,11 @@ def _param_rows(dtypes, N, device, sums=None):
 def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=None, weight1=None,
                     bias1=None, seeds=None, dropout_p=0.0, rowscale=None, has_residual=False,
                     has_x1=False, zero_centered_weight=False, is_rms_norm=False, x_dtype=None,
-                    residual_dtype=None, recompute_output=False):
+                    residual_dtype=None, recompute_output=False, bwd_sums=None):
     """x: the saved pre-norm sum. Returns (dx, dw, db, dresidual_in, dx1, dw1, db1, y) with
-    dresidual_in / dx1 aliasing dx when they are equal; y only with recompute_output."""
+    dresidual_in / dx1 aliasing dx when they are equal; y only with recompute_output.
+    bwd_sums: the forward's zeroed sums buffer (_layer_norm_fwd(bwd_sums=True)), or None: then
+    this call zeroes one (a memset before the kernel). The kernel leaves it zeroed again."""
     device = launch_device(_op_name(is_rms_norm), "x", x)
     M, N = x.shape
     if dy.shape != (M, N):
@@ -637,12 +679,19 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     present = (True, bias is not None, weight1 is not None, bias1 is not None)  # w, b, w1, b1
     dtypes = [t.dtype for t in (weight, bias, weight1, bias1) if t is not None]
     atomic = M > 0 and _atomic_param_grads()
+    rezero_sums = False
     if atomic:
         # SUM_COPIES zeroed fp32 rows per parameter that the programs add into, and the ticket
-        # counter (int32 0 is fp32 0.0) after them: one memset. The last program writes the
-        # gradients into `grads`.
+        # counter after them (_bwd_sums_numel). The last program writes the gradients into `grads`.
         sum_copies = _bwd_sum_copies(block_n, programs)
-        sums = torch.zeros(len(dtypes) * sum_copies * N + 1, dtype=torch.float32, device=x.device)
+        numel = _bwd_sums_numel(x, M, block_n, len(dtypes))
+        if bwd_sums is not None:
+            if bwd_sums.numel() != numel:
+                raise RuntimeError(f"_layer_norm_bwd: bwd_sums has {bwd_sums.numel()} elements, "
+                                   f"this backward needs {numel}")
+            sums, rezero_sums = bwd_sums, True
+        else:
+            sums = torch.zeros(numel, dtype=torch.float32, device=x.device)
         tickets = sums[-1:].view(torch.int32)
         sums = sums[:-1].view(len(dtypes), sum_copies, N)
         grads = _param_rows(dtypes, N, x.device)
@@ -675,7 +724,7 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
                 HAS_ROWSCALE=rowscale is not None, HAS_DY1=dy1 is not None,
                 HAS_DX1=dx1 is not None, HAS_B1=bias1 is not None,
                 RECOMPUTE_OUTPUT=y is not None, ATOMIC_PARAM_GRADS=atomic,
-                SUM_COPIES=sum_copies,
+                SUM_COPIES=sum_copies, REZERO_SUMS=rezero_sums,
                 num_warps=num_warps,
             )
     else:
@@ -735,14 +784,16 @@ class LayerNormFn(torch.autograd.Function):
         rowscale = rowscale.reshape(-1).contiguous() if rowscale is not None else None
         residual_dtype = (residual.dtype if residual is not None
                           else (torch.float32 if residual_in_fp32 else None))
-        y, y1, mean, rstd, res_out, seeds, mask, mask1 = _layer_norm_fwd(
+        y, y1, mean, rstd, res_out, seeds, mask, mask1, bwd_sums = _layer_norm_fwd(
             x2, weight, bias, eps, residual2, x12, weight1, bias1, dropout_p=dropout_p,
             rowscale=rowscale, out_dtype=out_dtype, residual_dtype=residual_dtype,
             zero_centered_weight=zero_centered_weight, is_rms_norm=is_rms_norm,
             return_dropout_mask=return_dropout_mask, out=_out_rows(out, "out", x_shape),
             residual_out=_out_rows(residual_out, "residual_out", x_shape),
+            bwd_sums=any(ctx.needs_input_grad),
         )
-        ctx.save_for_backward(res_out, weight, bias, weight1, bias1, rowscale, seeds, mean, rstd)
+        ctx.save_for_backward(res_out, weight, bias, weight1, bias1, rowscale, seeds, mean, rstd,
+                              bwd_sums)
         ctx.x_shape = x_shape
         ctx.eps = eps
         ctx.dropout_p = dropout_p
@@ -764,7 +815,7 @@ class LayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *args):
-        x, weight, bias, weight1, bias1, rowscale, seeds, mean, rstd = ctx.saved_tensors
+        x, weight, bias, weight1, bias1, rowscale, seeds, mean, rstd, bwd_sums = ctx.saved_tensors
         dy = _rows(dy)
         dy1 = None
         if weight1 is not None:
@@ -774,6 +825,7 @@ class LayerNormFn(torch.autograd.Function):
             dy, x, weight, bias, ctx.eps, mean, rstd, dresidual, dy1, weight1, bias1, seeds,
             ctx.dropout_p, rowscale, ctx.has_residual, ctx.has_x1, ctx.zero_centered_weight,
             ctx.is_rms_norm, x_dtype=ctx.x_dtype, residual_dtype=ctx.residual_dtype,
+            bwd_sums=bwd_sums,
         )
         shape = ctx.x_shape
         return (
@@ -875,14 +927,15 @@ class LayerNormLinearFn(torch.autograd.Function):
                           else (torch.float32 if residual_in_fp32 else None))
         autocast = x.is_cuda and torch.is_autocast_enabled("cuda")
         out_dtype = torch.get_autocast_dtype("cuda") if autocast else None
-        y, _, mean, rstd, res_out, *_ = _layer_norm_fwd(
+        y, _, mean, rstd, res_out, *_, bwd_sums = _layer_norm_fwd(
             x2, norm_weight, norm_bias, eps, residual2, out_dtype=out_dtype,
             residual_dtype=residual_dtype, is_rms_norm=is_rms_norm,
+            bwd_sums=any(ctx.needs_input_grad),
         )
         linear_weight = linear_weight.to(y.dtype)
         linear_bias = linear_bias.to(y.dtype) if linear_bias is not None else None
         out = F.linear(y, linear_weight, linear_bias)
-        ctx.save_for_backward(res_out, norm_weight, norm_bias, linear_weight, mean, rstd)
+        ctx.save_for_backward(res_out, norm_weight, norm_bias, linear_weight, mean, rstd, bwd_sums)
         ctx.x_shape = x_shape
         ctx.eps = eps
         ctx.is_rms_norm = is_rms_norm
@@ -897,7 +950,7 @@ class LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout, *args):
-        x, norm_weight, norm_bias, linear_weight, mean, rstd = ctx.saved_tensors
+        x, norm_weight, norm_bias, linear_weight, mean, rstd, bwd_sums = ctx.saved_tensors
         dout = dout.reshape(-1, dout.shape[-1])
         dy = _rows(F.linear(dout, linear_weight.t()))
         dlinear_bias = None if ctx.linear_bias_is_none else dout.sum(0)
@@ -905,7 +958,7 @@ class LayerNormLinearFn(torch.autograd.Function):
         dx, dnorm_weight, dnorm_bias, dres_in, _, _, _, y = _layer_norm_bwd(
             dy, x, norm_weight, norm_bias, ctx.eps, mean, rstd, dresidual=dresidual,
             has_residual=ctx.has_residual, is_rms_norm=ctx.is_rms_norm, x_dtype=ctx.x_dtype,
-            residual_dtype=ctx.residual_dtype, recompute_output=True,
+            residual_dtype=ctx.residual_dtype, recompute_output=True, bwd_sums=bwd_sums,
         )
         dlinear_weight = torch.einsum("bo,bi->oi", dout, y.to(dout.dtype))
         shape = ctx.x_shape

@@ -536,6 +536,34 @@ def test_deterministic_backward_is_bitwise_repeatable(deterministic, bands, case
         assert torch.equal(g1, g2), f"gradient {k} differs between two deterministic runs"
 
 
+def _nan_filled_empty(empty):
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    return nan_empty
+
+
+@pytest.mark.parametrize("case", range(len(PARAM_GRAD_CASES)))
+def test_atomic_backward_adds_into_the_sums_its_forward_zeroed(monkeypatch, case):
+    """The forward kernel zeroes the atomic backward's sums (and ticket), so the backward runs no
+    memset: with every float buffer allocated NaN-filled and torch.zeros out of reach, both
+    backward runs of one forward (the kernel zeroes the sums again for the second) give the
+    deterministic path's gradients up to the order of the sums."""
+    monkeypatch.setattr(ln, "_atomic_param_grads", lambda: False)
+    reference = _backward_twice(37, 96, torch.float32, PARAM_GRAD_CASES[case])[0]
+    monkeypatch.setattr(ln, "_atomic_param_grads", lambda: True)
+    monkeypatch.setattr(torch, "empty", _nan_filled_empty(torch.empty))
+
+    def no_zeros(*args, **kwargs):
+        raise AssertionError("the forward-zeroed sums should leave the backward no memset")
+
+    monkeypatch.setattr(ln.torch, "zeros", no_zeros)
+    for run in _backward_twice(37, 96, torch.float32, PARAM_GRAD_CASES[case]):
+        for k, (a, p) in enumerate(zip(run, reference)):
+            err, tol = _sum_order_error(a, p)
+            assert err <= tol, (k, err)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N", [(16384, 1024), (4099, 4096)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
