@@ -135,8 +135,8 @@ def test_ws_backward_meets_the_error_rule_and_runs_where_it_covers(grads_by_flag
 
 
 def _ws_backward_by_default(d, causal, sk):
-    """flash_bwd_launch.h's ws_bwd_min_keys: from 2K keys, d128 unmasked from 1K."""
-    return sk >= (1024 if d == 128 and not causal else 2048)
+    """flash_bwd_launch.h's ws_bwd_min_keys: from 2K keys; d128 unmasked and d256 from 1K."""
+    return sk >= (1024 if d == 256 or (d == 128 and not causal) else 2048)
 
 
 @pytest.mark.gpu

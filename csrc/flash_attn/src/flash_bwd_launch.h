@@ -17,9 +17,11 @@ namespace flash {
 // per process: 0 never, 1 wherever it covers). On the H200 (harness, bf16, both kernels on
 // BackwardCta's grid) it beat the key-block kernel from 2K keys by 4-16% at d64 and 9-27% at
 // d128, and at 1K by 8% at d128 unmasked; it lost 2-4% at 1K otherwise. d256 (64-key blocks, the
-// head dim split between the warpgroups) beat the key-block kernel by 39-61% at 1K-16K keys (21% at
-// 1K causal); it keeps the d64 rule here, the one its GPU tests ran with (1K: next device session).
-constexpr int ws_bwd_min_keys(int head_dim, bool masked) { return head_dim == 128 && !masked ? 1024 : 2048; }
+// head dim split between the warpgroups) beat the key-block kernel by 39-61% at 1K-16K keys (+21%
+// at 1K causal): from 1K keys, masked or not.
+constexpr int ws_bwd_min_keys(int head_dim, bool masked) {
+    return head_dim == 256 || (head_dim == 128 && !masked) ? 1024 : 2048;
+}
 
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
