@@ -334,7 +334,7 @@ def _layer_norm_bwd_kernel(
         # The ticket is taken by one thread: the barrier makes every thread's adds precede it,
         # and its release publishes them to the program that draws the last ticket, whose
         # acquire (then the ticket's broadcast through shared memory) orders its reads after.
-        # (The modulo: a replay of the kernel alone, without the memset, still runs this tail.)
+        # (The modulo: a replay of the kernel alone, without the zeroing, still runs this tail.)
         tl.debug_barrier()
         ticket = tl.atomic_add(TICKETS, 1, sem="acq_rel")
         if ticket % tl.num_programs(0) == tl.num_programs(0) - 1:
@@ -614,8 +614,8 @@ def _bwd_sums_numel(x, M, block_n, n_params):
 def _atomic_param_grads():
     """Whether the backward finishes the weight / bias gradients in its own kernel: every program
     adds its sums into zeroed fp32 rows per parameter (_bwd_sum_copies) with atomics, and the
-    last program to finish writes the gradients in the parameters' dtypes (one memset + one
-    kernel). The other way, a row of partial sums per program summed and cast by PyTorch, costs
+    last program to finish writes the gradients in the parameters' dtypes (one kernel, its rows
+    zeroed by the forward's kernel; a memset where no forward zeroed them). The other way, a row of partial sums per program summed and cast by PyTorch, costs
     two more launches (several microseconds each at hidden 1K, also inside a CUDA graph) but is
     bitwise repeatable: fp32 atomics add in the order they land, so the last bits change from
     run to run. Hence the atomics unless torch.use_deterministic_algorithms(True). Both ways run
