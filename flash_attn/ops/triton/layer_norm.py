@@ -544,10 +544,13 @@ def _layer_norm_fwd(x, weight, bias, eps, residual=None, x1=None, weight1=None, 
             dropout_mask1 = torch.empty(M, N, dtype=torch.bool, device=x.device)
     block_n = _block_n(x, N)
     rows_per_program, num_warps = _fwd_tile(block_n)
-    n_params = sum(t is not None for t in (weight, bias, weight1, bias1))
-    bwd_sums = (torch.empty(_bwd_sums_numel(x, M, block_n, n_params), dtype=torch.float32,
-                            device=x.device)
-                if bwd_sums and M > 0 and _atomic_param_grads() else None)
+    if bwd_sums and M > 0 and _atomic_param_grads():
+        n_params = sum(t is not None for t in (weight, bias, weight1, bias1))
+        sum_copies = _bwd_sum_copies(block_n, _bwd_grid(x, M, block_n)[2])
+        bwd_sums = torch.empty(_bwd_sums_numel(n_params, sum_copies, N), dtype=torch.float32,
+                               device=x.device)
+    else:
+        bwd_sums = None
     if M > 0:
         with device:
             _layer_norm_fwd_kernel[(_fwd_programs(x, M, rows_per_program, block_n),)](
@@ -595,6 +598,13 @@ def _bwd_bands(x, M, rows_per_iter, block_n):
     return triton.cdiv(max(M, 1), rows_per_program), rows_per_program
 
 
+def _bwd_grid(x, M, block_n):
+    """(rows per loop iteration, num_warps, programs, rows per program) of the backward of x's
+    M rows: _bwd_tile and _bwd_bands (the forward sizes the backward's sums by it too)."""
+    rows_per_iter, num_warps = _bwd_tile(block_n)
+    return (rows_per_iter, num_warps) + _bwd_bands(x, M, rows_per_iter, block_n)
+
+
 def _bwd_sum_copies(block_n, programs):
     """Rows of fp32 sums per parameter that the atomic backward spreads its programs' adds over
     (program p adds into row p % copies): adds to one address queue at L2, and at hidden 1K one
@@ -604,11 +614,10 @@ def _bwd_sum_copies(block_n, programs):
     return max(1, min(4, 8192 // block_n, programs))
 
 
-def _bwd_sums_numel(x, M, block_n, n_params):
-    """fp32 elements of the atomic backward's sums: _bwd_sum_copies rows of N per parameter,
-    then the ticket counter (an int32 0 is fp32 0.0, so one zeroing covers both)."""
-    programs, _ = _bwd_bands(x, M, _bwd_tile(block_n)[0], block_n)
-    return n_params * _bwd_sum_copies(block_n, programs) * x.shape[1] + 1
+def _bwd_sums_numel(n_params, sum_copies, N):
+    """fp32 elements of the atomic backward's sums: sum_copies rows of N per parameter, then the
+    ticket counter (an int32 0 is fp32 0.0, so one zeroing covers both)."""
+    return n_params * sum_copies * N + 1
 
 
 def _atomic_param_grads():
@@ -674,8 +683,7 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
     dx1 = torch.empty_like(dx) if has_x1 and dropout_p > 0.0 else None
     y = (torch.empty(M, N, dtype=dy.dtype, device=x.device) if recompute_output else None)
     block_n = _block_n(x, N)
-    rows_per_iter, num_warps = _bwd_tile(block_n)
-    programs, rows_per_program = _bwd_bands(x, M, rows_per_iter, block_n)
+    rows_per_iter, num_warps, programs, rows_per_program = _bwd_grid(x, M, block_n)
     present = (True, bias is not None, weight1 is not None, bias1 is not None)  # w, b, w1, b1
     dtypes = [t.dtype for t in (weight, bias, weight1, bias1) if t is not None]
     atomic = M > 0 and _atomic_param_grads()
@@ -684,7 +692,7 @@ def _layer_norm_bwd(dy, x, weight, bias, eps, mean, rstd, dresidual=None, dy1=No
         # SUM_COPIES zeroed fp32 rows per parameter that the programs add into, and the ticket
         # counter after them (_bwd_sums_numel). The last program writes the gradients into `grads`.
         sum_copies = _bwd_sum_copies(block_n, programs)
-        numel = _bwd_sums_numel(x, M, block_n, len(dtypes))
+        numel = _bwd_sums_numel(len(dtypes), sum_copies, N)
         if bwd_sums is not None:
             if bwd_sums.numel() != numel:
                 raise RuntimeError(f"_layer_norm_bwd: bwd_sums has {bwd_sums.numel()} elements, "
