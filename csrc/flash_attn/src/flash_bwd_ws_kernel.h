@@ -345,15 +345,16 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
         return wg_dq.partition_fragment_A(
             smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdS{}));
     };
+    // dS^T and (d256) P^T in shared memory, as the consumers write them.
+    auto sdSt = [&](int buf) {
+        return smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{});
+    };
+    auto sPt = [&](int buf) {
+        return smem_view(stage_of(storage.p, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{});
+    };
     // d256: P^T and dS^T as the A operands of dV and dK, from shared memory.
-    auto tdVrPt = [&](int buf) {
-        return wg_dkv.partition_fragment_A(
-            smem_view(stage_of(storage.p, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{}));
-    };
-    auto tdKrdSt = [&](int buf) {
-        return wg_dkv.partition_fragment_A(
-            smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{}));
-    };
+    auto tdVrPt = [&](int buf) { return wg_dkv.partition_fragment_A(sPt(buf)); };
+    auto tdKrdSt = [&](int buf) { return wg_dkv.partition_fragment_A(sdSt(buf)); };
     // dS^T: registers -> shared memory with stmatrix (each warp stores its own 16 keys' rows, four
     // 8 x 8 tiles an instruction), and back with ldmatrix (the softcap's derivative). Element-wise
     // copies compiled to generic 32-bit stores whose 64-bit addresses stayed live in registers.
@@ -361,13 +362,8 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
     auto smem_load_ds = make_tiled_copy_C(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, tiled_mma_sdp);
     auto thr_copy_ds = smem_copy_ds.get_thread_slice(ctid);
     auto thr_load_ds = smem_load_ds.get_thread_slice(ctid);
-    auto sdSt = [&](int buf) {
-        return smem_view(stage_of(storage.ds, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{});
-    };
     auto tdSsdS = [&](int buf) { return thr_copy_ds.partition_D(sdSt(buf)); };
-    auto tdSsP = [&](int buf) {
-        return thr_copy_ds.partition_D(smem_view(stage_of(storage.p, buf, Ws::kdSElems), typename Ws::SmemLayoutdSt{}));
-    };
+    auto tdSsP = [&](int buf) { return thr_copy_ds.partition_D(sPt(buf)); };
 
     // Each S^T element's (key, query) in the tile, and the same elements as (query, key) for the
     // score modifications (which index S).
