@@ -391,7 +391,8 @@ void check_backward_ws() {
     check_transposed_views<Element, typename Ws::SmemLayoutdSt, typename Ws::SmemLayoutdS, kN, kM>(name);
     check_transposed_views<Element, typename Ws::SmemLayoutQdO, typename Ws::SmemLayoutQdOt, kM, kHeadDim>(name);
     check_transposed_views<Element, typename Ws::SmemLayoutKV, typename Ws::SmemLayoutKt, kN, kHeadDim>(name);
-    check_warpgroup_operands<typename Ws::TiledMmaSdP, kN, kM, kHeadDim, true>(name, kThreads);
+    // d64: K and V (A) in registers, so only B must be the warpgroup's.
+    check_warpgroup_operands<typename Ws::TiledMmaSdP, kN, kM, kHeadDim, !Ws::kKVInRegs>(name, kThreads);
     check_warpgroup_operands<typename Ws::TiledMmadKV, kN, kHeadDim, kM, Ws::kSplitHeadDim>(name, kThreads);
     check_warpgroup_operands<typename Ws::TiledMmadQ, kM, kHeadDim, kN, true>(name, kThreads);
 }

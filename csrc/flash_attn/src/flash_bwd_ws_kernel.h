@@ -59,15 +59,24 @@ struct BackwardWs {
                   "setmaxnreg would wait forever for registers the block does not have");
 
     // S^T and dP^T (kBlockN x kBlockM): warpgroup w owns keys [64 w, 64 w + 64); d256: the 64 keys
-    // and queries [32 w, 32 w + 32).
+    // and queries [32 w, 32 w + 32). d64 (kKVInRegs): K and V, the A operands, from registers
+    // (16 each, loaded once a key block): with 64 queries (N) and 64 of the head dim (K) a wgmma
+    // with both operands in shared memory reads them about as fast as shared memory gives them
+    // (+2-5% at d64 with A in registers, session sixteenth's harness).
+    static constexpr bool kKVInRegs = kHeadDim == 64;
     using TiledMmaSdP = std::conditional_t<
         kSplitHeadDim,
         decltype(make_tiled_mma(
             GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM / 2>, Int<kHeadDim>>>(),
             Layout<Shape<_1, _2, _1>>{})),
-        decltype(make_tiled_mma(
-            GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
-            Layout<Shape<_2, _1, _1>>{}))>;
+        std::conditional_t<
+            kKVInRegs,
+            decltype(make_tiled_mma(
+                GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+                Layout<Shape<_2, _1, _1>>{})),
+            decltype(make_tiled_mma(
+                GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+                Layout<Shape<_2, _1, _1>>{}))>>;
     // dV += P^T dO and dK += dS^T Q (kBlockN x head dim): the same keys, A from registers; d256:
     // every key, columns [128 w, 128 w + 128), A (P^T, dS^T) from shared memory.
     using TiledMmadKV = std::conditional_t<
@@ -321,14 +330,21 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
     auto wg_sdp = tiled_mma_sdp.get_thread_slice(wg_thread0);
     auto wg_dkv = tiled_mma_dkv.get_thread_slice(wg_thread0);
     auto wg_dq = tiled_mma_dq.get_thread_slice(wg_thread0);
-    Tensor tSrK = wg_sdp.partition_fragment_A(smem_view(storage.k.data(), typename Ws::SmemLayoutKV{}));
-    Tensor tSrV = wg_sdp.partition_fragment_A(smem_view(storage.v.data(), typename Ws::SmemLayoutKV{}));
+    auto sK = smem_view(storage.k.data(), typename Ws::SmemLayoutKV{});
+    auto sV = smem_view(storage.v.data(), typename Ws::SmemLayoutKV{});
+    // K and V as S^T's and dP^T's A operands: descriptors of shared memory, or (kKVInRegs) this
+    // thread's registers, filled with ldmatrix once K and V of a key block have landed.
+    auto kv_operand = [&](auto smem) {
+        if constexpr (Ws::kKVInRegs) {
+            return thr_sdp.partition_fragment_A(smem);
+        } else {
+            return wg_sdp.partition_fragment_A(smem);
+        }
+    };
+    Tensor tSrK = kv_operand(sK);
+    Tensor tSrV = kv_operand(sV);
     Tensor tdQrK = wg_dq.partition_fragment_B(smem_view(storage.k.data(), typename Ws::SmemLayoutKt{}));
     auto stage_of = [](auto &buffer, int stage, int elems) { return buffer.data() + stage * elems; };
-    auto tSrQ = [&](int stage) {
-        return wg_sdp.partition_fragment_B(
-            smem_view(stage_of(storage.q, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdO{}));
-    };
     auto tSrdO = [&](int stage) {
         return wg_sdp.partition_fragment_B(
             smem_view(stage_of(storage.dout, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdO{}));
@@ -386,16 +402,30 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
         clear(acc_dv);
         if (!range.empty()) {
             storage.kv_full.wait(kv_iter % 2);
+            if constexpr (Ws::kKVInRegs) {
+                auto load_kv = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, tiled_mma_sdp);
+                auto thr_load_kv = load_kv.get_thread_slice(ctid);
+                cute::copy(load_kv, thr_load_kv.partition_S(sK), thr_load_kv.retile_D(tSrK));
+                cute::copy(load_kv, thr_load_kv.partition_S(sV), thr_load_kv.retile_D(tSrV));
+            }
+            // S^T = K Q^T and dP^T = V dO^T of each query block, both issued before the element-wise
+            // work so that dP^T runs on beside the exponentials. Their accumulators are declared
+            // once per key block, not per query block: the d128 loop compiled so ran 1-3% faster
+            // (session sixteenth's harness; d64 the same).
+            Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+            Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+            auto issue_s = [&](Element *q_tile) {
+                Tensor tSrQ_tile = wg_sdp.partition_fragment_B(smem_view(q_tile, typename Ws::SmemLayoutQdO{}));
+                wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrK, tSrQ_tile, acc_s);
+            };
+            auto stage_q = [&](int it) {
+                storage.full[it % kStages].wait((it / kStages) % 2);
+                return stage_of(storage.q, it % kStages, Ws::kQdOElems);
+            };
             for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block, ++iter) {
                 const int stage = iter % kStages, ds_buf = iter % 2;
-                storage.full[stage].wait((iter / kStages) % 2);
-
-                // S^T = K Q^T and dP^T = V dO^T, both issued before the element-wise work so that
-                // dP^T runs on beside the exponentials.
-                Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-                Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-                wgmma_gemm<true>(tiled_mma_sdp, tSrK, tSrQ(stage), acc_s);
-                wgmma_gemm<true>(tiled_mma_sdp, tSrV, tSrdO(stage), acc_dp);
+                issue_s(stage_q(iter));
+                wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrV, tSrdO(stage), acc_dp);
                 warpgroup_wait<1>();
                 warpgroup_fence_operand(acc_s);
 
@@ -482,8 +512,8 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                     Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_operand(rdS.layout()));
                     wgmma_gemm<false, true>(tiled_mma_dkv, tdKrdS, tdKrQ(stage), acc_dk);
                     warpgroup_wait<1>();  // dV and dQ landed; dK may still run
-                    warpgroup_fence_operand(acc_dq);
                     warpgroup_fence_operand(rP);  // P^T's registers were read by dV until here
+                    warpgroup_fence_operand(acc_dq);
 
                     // dQ to shared memory in dq_accum's byte order, for the dQ warp's bulk reduction.
                     if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
