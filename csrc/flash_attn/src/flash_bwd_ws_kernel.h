@@ -345,6 +345,10 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
     Tensor tSrV = kv_operand(sV);
     Tensor tdQrK = wg_dq.partition_fragment_B(smem_view(storage.k.data(), typename Ws::SmemLayoutKt{}));
     auto stage_of = [](auto &buffer, int stage, int elems) { return buffer.data() + stage * elems; };
+    auto tSrQ = [&](int stage) {
+        return wg_sdp.partition_fragment_B(
+            smem_view(stage_of(storage.q, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdO{}));
+    };
     auto tSrdO = [&](int stage) {
         return wg_sdp.partition_fragment_B(
             smem_view(stage_of(storage.dout, stage, Ws::kQdOElems), typename Ws::SmemLayoutQdO{}));
@@ -414,17 +418,10 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
             // (session sixteenth's harness; d64 the same).
             Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
             Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-            auto issue_s = [&](Element *q_tile) {
-                Tensor tSrQ_tile = wg_sdp.partition_fragment_B(smem_view(q_tile, typename Ws::SmemLayoutQdO{}));
-                wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrK, tSrQ_tile, acc_s);
-            };
-            auto stage_q = [&](int it) {
-                storage.full[it % kStages].wait((it / kStages) % 2);
-                return stage_of(storage.q, it % kStages, Ws::kQdOElems);
-            };
             for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block, ++iter) {
                 const int stage = iter % kStages, ds_buf = iter % 2;
-                issue_s(stage_q(iter));
+                storage.full[stage].wait((iter / kStages) % 2);
+                wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrK, tSrQ(stage), acc_s);
                 wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrV, tSrdO(stage), acc_dp);
                 warpgroup_wait<1>();
                 warpgroup_fence_operand(acc_s);
