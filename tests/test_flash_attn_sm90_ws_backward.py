@@ -5,7 +5,7 @@ head layout and score modifier it covers (masks, ALiBi, softcap), padded and var
 more CTAs than SMs, dropout (the forward's mask redrawn on the transposed tile), the deterministic
 mode bitwise repeatable. Which kernel ran is read from the profiler's kernel names: with the flag
 set, the warp-specialised one for every call (head dims 64, 128 and 256); unset, where
-flash_bwd_launch.h's ws_bwd_min_keys says (_ws_backward_by_default), with gradients bitwise those
+flash_bwd_launch.h's kWsBwdMinKeys says (_ws_backward_by_default), with gradients bitwise those
 of the kernel that ran (where they repeat from run to run).
 """
 
@@ -135,8 +135,8 @@ def test_ws_backward_meets_the_error_rule_and_runs_where_it_covers(grads_by_flag
 
 
 def _ws_backward_by_default(d, causal, sk):
-    """flash_bwd_launch.h's ws_bwd_min_keys: from 2K keys; d128 unmasked and d256 from 1K."""
-    return sk >= (1024 if d == 256 or (d == 128 and not causal) else 2048)
+    """flash_bwd_launch.h's kWsBwdMinKeys: from 1K keys, every covered head dim, masked or not."""
+    return sk >= 1024
 
 
 @pytest.mark.gpu

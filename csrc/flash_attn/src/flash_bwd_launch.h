@@ -13,15 +13,13 @@
 namespace flash {
 
 // The warp-specialised sm90 backward (flash_bwd_ws_kernel.h) for the calls it covers (else the
-// key-block kernel runs): from ws_bwd_min_keys keys, or as FLASH_ATTN_SM90_WS_BWD says (read once
+// key-block kernel runs): from kWsBwdMinKeys keys, or as FLASH_ATTN_SM90_WS_BWD says (read once
 // per process: 0 never, 1 wherever it covers). On the H200 (harness, bf16, both kernels on
 // BackwardCta's grid) it beat the key-block kernel from 2K keys by 4-16% at d64 and 9-27% at
-// d128, and at 1K by 8% at d128 unmasked; it lost 2-4% at 1K otherwise. d256 (64-key blocks, the
-// head dim split between the warpgroups) beat the key-block kernel by 39-61% at 1K-16K keys (+21%
-// at 1K causal): from 1K keys, masked or not.
-constexpr int ws_bwd_min_keys(int head_dim, bool masked) {
-    return head_dim == 256 || (head_dim == 128 && !masked) ? 1024 : 2048;
-}
+// d128; at 1K keys, once d64 took K and V from registers (session sixteenth), by 0.6% at d64
+// unmasked, 3.5% at d64 causal, 3% at d128 causal and 8% at d128 unmasked. d256 (64-key blocks,
+// the head dim split between the warpgroups) beat it by 39-61% at 1K-16K keys (+21% at 1K causal).
+constexpr int kWsBwdMinKeys = 1024;
 
 template <typename Element, int kHeadDim, bool Is_dropout, bool Is_masked>
 bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
@@ -29,7 +27,7 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
         return false;
     } else {
         static const int mode = sm90_ws_flag("FLASH_ATTN_SM90_WS_BWD", 1);
-        const bool use = mode == kWsAuto ? params.seqlen_k >= ws_bwd_min_keys(kHeadDim, Is_masked) : mode == 1;
+        const bool use = mode == kWsAuto ? params.seqlen_k >= kWsBwdMinKeys : mode == 1;
         using Ws = BackwardWs<kHeadDim, Element>;
         if (!use || !Ws::supports(params)) { return false; }
         auto kernel = &flash_bwd_ws_kernel<Ws, Is_dropout, Is_masked>;
