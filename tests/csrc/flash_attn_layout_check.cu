@@ -273,6 +273,41 @@ void check_transposed_views(const char *name) {
     }
 }
 
+// The staged epilogue (fwd_ws_epilogue.h): each consumer thread writes its O pairs into its own
+// consumer's 64 staging rows, every element of the block once, 4-byte aligned, and a warp's 32
+// lanes write one register pair to 32 different banks.
+template <typename Ws>
+void check_o_staging(const char *name) {
+    constexpr int kM = Ws::kBlockM, kD = Ws::kHeadDim, kRowBytes = Ws::kORowBytes;
+    static bool written[kM][kD];
+    for (auto &row : written) { std::fill(std::begin(row), std::end(row), false); }
+    for (int tid = 0; tid < Ws::kConsumerThreads; tid += 32) {
+        Tensor coords = typename Ws::TiledMmaO{}.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kM>, Int<kD>>{}));
+        for (int i = 0; i < int(size(coords)); i += 2) {
+            bool bank_used[32] = {};
+            for (int lane = 0; lane < 32; ++lane) {
+                Tensor c = typename Ws::TiledMmaO{}.get_thread_slice(tid + lane).partition_C(
+                    make_identity_tensor(Shape<Int<kM>, Int<kD>>{}));
+                const int row = get<0>(c(i)), col = get<1>(c(i)), consumer = (tid + lane) / 128;
+                const int byte = flash::ws_o_stage_byte<Ws>(row, col);
+                EXPECT(row / 64 == consumer, "%s: tid %d writes row %d, consumer %d's rows are %d-%d", name,
+                       tid + lane, row, consumer, 64 * consumer, 64 * consumer + 63);
+                EXPECT(byte % 4 == 0 && byte >= 0 && byte + 4 <= 64 * kRowBytes &&
+                           byte % kRowBytes + 4 <= kD * int(sizeof(typename Ws::Element)),
+                       "%s: (%d, %d) staged at byte %d", name, row, col, byte);
+                EXPECT(!written[row][col] && !written[row][col + 1], "%s: (%d, %d) staged twice", name, row, col);
+                written[row][col] = written[row][col + 1] = true;
+                const int bank = byte / 4 % 32;
+                EXPECT(!bank_used[bank], "%s: tid %d pair %d hits bank %d twice in its warp", name, tid + lane, i, bank);
+                bank_used[bank] = true;
+            }
+        }
+    }
+    for (int r = 0; r < kM; ++r) {
+        for (int c = 0; c < kD; ++c) { EXPECT(written[r][c], "%s: (%d, %d) never staged", name, r, c); }
+    }
+}
+
 // The warp-specialised forward's tiles (WsForwardTile, default and wide): every S element held
 // once, P read back as the A operand of P V element for element, the O pairs, and V's view as P V's
 // B operand on the bytes TMA writes, in every stage.
@@ -290,6 +325,7 @@ void check_forward_ws() {
     check_warpgroup_operands<typename Ws::TiledMmaS, Ws::kBlockM, Ws::kBlockN, kHeadDim, true>(name, Ws::kConsumerThreads);
     check_warpgroup_operands<typename Ws::TiledMmaO, Ws::kBlockM, kHeadDim, Ws::kBlockN, false>(name, Ws::kConsumerThreads);
     using Element = cutlass::bfloat16_t;
+    if constexpr (Ws::kStagedO) { check_o_staging<Ws>(name); }
     check_transposed_views<Element, typename Ws::SmemLayoutKV, typename Ws::SmemLayoutVt, Ws::kBlockN, kHeadDim>(name);
     typename Ws::SmemLayoutKVStages stages;  // what TMA writes: stage s at s * kTileElems
     typename Ws::SmemLayoutKV stage;         // what the consumers read at that offset

@@ -11,7 +11,7 @@
 // producer loads the next unit's Q and K/V while the consumers write the last one's O.
 //
 // Scope: padded and varlen (not paged, no seqused_k / left padding) inputs, no dropout, no
-// split-KV, head dims 64, 128, 192 and 256 (tiles: WsForwardTile). Not yet: a TMA-store epilogue.
+// split-KV, head dims 64, 128, 192 and 256 (tiles: WsForwardTile). The epilogue: fwd_ws_epilogue.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -21,6 +21,7 @@
 
 #include "block_range.h"
 #include "flash.h"
+#include "fwd_ws_epilogue.h"
 #include "score_mods.h"
 #include "sequence_info.h"
 #include "softmax.h"
@@ -63,14 +64,24 @@ struct ForwardWs {
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
     using PipelineState = typename Pipeline::PipelineState;
 
-    struct SharedStorage {
+    // O's epilogue through shared memory (fwd_ws_epilogue.h), at d128 (two consumers; it fits):
+    // each consumer's 64 rows staged there, a row padded by 16 bytes so that the accumulator's
+    // 8-row stores hit 32 different banks. On the H200 (harness, bf16) it was 1.5-2% faster than
+    // stores from registers at d128 s2K-4K, 2-4% causal; at d64 (two consumers) 3-5% slower
+    // at every length, and with three consumers it spilled.
+    static constexpr int kORowBytes = kHeadDim * int(sizeof(Element)) + 16;
+    template <bool kStaged>
+    struct SharedStorageOf {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKVStages>> k;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKVStages>> v;
+        alignas(128) char o[kStaged ? kConsumers * 64 * kORowBytes : 16];
         typename Pipeline::SharedStorage pipeline_k, pipeline_v;
         alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;  // Q landed (the producer's expect-tx)
         alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty;        // the consumers are done with Q
     };
+    static constexpr bool kStagedO = kHeadDim == 128 && kConsumers == 2 && sizeof(SharedStorageOf<true>) <= 227 * 1024;
+    using SharedStorage = SharedStorageOf<kStagedO>;
     static constexpr int kSmemSize = int(sizeof(SharedStorage));
     static_assert(kSmemSize <= 227 * 1024, "one CTA per SM: the H100/H200 shared memory per block");
 
@@ -127,42 +138,6 @@ struct ForwardWs {
                             p.head_dim, int(sizeof(Element)));
     }
 };
-
-// Writes the consumers' normalised O (rows past the sequence and columns past head_dim skipped)
-// and the log-sum-exp, straight from registers.
-template <typename Ws, typename Acc, typename TC, int kRows>
-__device__ __forceinline__ void ws_store_o(const AttentionParams &params, const SequenceInfo &seq, Acc const &acc_o_rowcol,
-                                           TC const &tOcO_rc, const float (&lse)[kRows], int m_block, int bidb,
-                                           int bidh) {
-    using Element = typename Ws::Element;
-    Element *o = reinterpret_cast<Element *>(params.o_ptr) + seq.q_offset(params.o_batch_stride, params.o_row_stride, bidb) +
-                 int64_t(bidh) * params.o_head_stride;
-    // Columns (c, c + 1), c even, are adjacent (head_dim is a multiple of 8): one 4-byte store each
-    // where O's alignment allows.
-    const bool pairs_aligned = reinterpret_cast<uintptr_t>(o) % 4 == 0 && params.o_row_stride % 2 == 0;
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(acc_o_rowcol); ++r) {
-        const int row = m_block * Ws::kBlockM + get<0>(tOcO_rc(r, 0));
-        if (row >= seq.seqlen_q) { continue; }
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(acc_o_rowcol); c += 2) {
-            const int col = get<1>(tOcO_rc(r, c));
-            if (col >= params.head_dim) { continue; }
-            Element *dst = o + int64_t(row) * params.o_row_stride + col;
-            const Element lo = Element(acc_o_rowcol(r, c)), hi = Element(acc_o_rowcol(r, c + 1));
-            if (pairs_aligned) {
-                cutlass::AlignedArray<Element, 2> pair;
-                pair[0] = lo, pair[1] = hi;
-                *reinterpret_cast<cutlass::AlignedArray<Element, 2> *>(dst) = pair;
-            } else {
-                dst[0] = lo, dst[1] = hi;
-            }
-        }
-        if (get<1>(tOcO_rc(r, 0)) == 0) {  // one lane of the quad writes the row's statistics
-            params.softmax_lse_ptr[lse_index(params, seq, bidb, bidh, row)] = lse[r];
-        }
-    }
-}
 
 // The consumer warpgroups' turns at the tensor cores (Overlap), round robin: consumer c waits on
 // named barrier 1 + c, 256 threads: its own 128 and the 128 arrivals of the consumer before it.
@@ -320,6 +295,11 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
     PipelineState state;  // consumers start at phase 0; the ring's state runs on across blocks
+    // The bulk copies of the staged epilogue need 16-byte aligned rows.
+    constexpr int kVec = 16 / int(sizeof(Element));
+    const bool staged_o = Ws::kStagedO && reinterpret_cast<uintptr_t>(params.o_ptr) % 16 == 0 &&
+                          params.o_row_stride % kVec == 0 && params.o_head_stride % kVec == 0 &&
+                          params.o_batch_stride % kVec == 0;
 
     for_each_block([&](const SequenceInfo &seq, int m_block, int bidh, int bidb, int item) {
         const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);
@@ -408,8 +388,14 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
 
         float lse[kRows];
         softmax.finalize(acc_o_rowcol, params.score_scale, 1.f, lse, INFINITY);
-        ws_store_o<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh);
+        if (staged_o) {
+            ws_store_o_staged<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh,
+                                  storage.o + (warpgroup - 1) * 64 * Ws::kORowBytes, warpgroup - 1, ctid % 128);
+        } else {
+            ws_store_o<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh);
+        }
     });
+    if (staged_o && ctid % 128 < 64) { tma_store_wait<0>(); }  // shared memory outlives the copies' reads
 #else
     __trap();  // only sm_90a images reach here; never leave O unwritten
 #endif
