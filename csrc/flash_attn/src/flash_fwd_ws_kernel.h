@@ -66,8 +66,8 @@ struct ForwardWs {
 
     // O's epilogue through shared memory (fwd_ws_epilogue.h), at d128 (two consumers; it fits):
     // each consumer's 64 rows staged there, a row padded by 16 bytes so that the accumulator's
-    // 8-row stores hit 32 different banks. On the H200 (harness, bf16) it was 1.5-2% faster than
-    // stores from registers at d128 s2K-4K, 2-4% causal; at d64 (two consumers) 3-5% slower
+    // 8-row stores hit 32 different banks. On the H200 (harness, bf16) it was 1.5-3% faster than
+    // stores from registers at d128 s2K-4K, 2-4.5% causal; at d64 (two consumers) 3-5% slower
     // at every length, and with three consumers it spilled.
     static constexpr int kORowBytes = kHeadDim * int(sizeof(Element)) + 16;
     template <bool kStaged>
