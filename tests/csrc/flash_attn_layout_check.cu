@@ -273,28 +273,26 @@ void check_transposed_views(const char *name) {
     }
 }
 
-// The staged epilogue (fwd_ws_epilogue.h): each consumer thread writes its O pairs into its own
-// consumer's 64 staging rows, every element of the block once, 4-byte aligned, and a warp's 32
-// lanes write one register pair to 32 different banks.
-template <typename Ws>
-void check_o_staging(const char *name) {
-    constexpr int kM = Ws::kBlockM, kD = Ws::kHeadDim, kRowBytes = Ws::kORowBytes;
-    static bool written[kM][kD];
+// Pair stores of an accumulator tile (two adjacent columns a lane) into staging rows of row_bytes:
+// every element staged once, 4-byte aligned inside its row's first kCols elements, a warp's 32
+// lanes on 32 banks. owner(tid, row, col, byte) checks what else the caller's staging promises.
+template <typename TiledMma, typename Element, int kRows, int kCols, typename StageByte, typename Owner>
+void check_pair_staging(const char *name, int threads, int row_bytes, StageByte stage_byte, Owner owner) {
+    static bool written[kRows][kCols];
     for (auto &row : written) { std::fill(std::begin(row), std::end(row), false); }
-    for (int tid = 0; tid < Ws::kConsumerThreads; tid += 32) {
-        Tensor coords = typename Ws::TiledMmaO{}.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kM>, Int<kD>>{}));
-        for (int i = 0; i < int(size(coords)); i += 2) {
+    Tensor probe = TiledMma{}.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+    for (int tid = 0; tid < threads; tid += 32) {
+        for (int i = 0; i < int(size(probe)); i += 2) {
             bool bank_used[32] = {};
             for (int lane = 0; lane < 32; ++lane) {
-                Tensor c = typename Ws::TiledMmaO{}.get_thread_slice(tid + lane).partition_C(
-                    make_identity_tensor(Shape<Int<kM>, Int<kD>>{}));
-                const int row = get<0>(c(i)), col = get<1>(c(i)), consumer = (tid + lane) / 128;
-                const int byte = flash::ws_o_stage_byte<Ws>(row, col);
-                EXPECT(row / 64 == consumer, "%s: tid %d writes row %d, consumer %d's rows are %d-%d", name,
-                       tid + lane, row, consumer, 64 * consumer, 64 * consumer + 63);
-                EXPECT(byte % 4 == 0 && byte >= 0 && byte + 4 <= 64 * kRowBytes &&
-                           byte % kRowBytes + 4 <= kD * int(sizeof(typename Ws::Element)),
+                Tensor c = TiledMma{}.get_thread_slice(tid + lane).partition_C(
+                    make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+                const int row = get<0>(c(i)), col = get<1>(c(i));
+                const int byte = stage_byte(row, col);
+                EXPECT(get<0>(c(i + 1)) == row && get<1>(c(i + 1)) == col + 1, "%s: pair %d split", name, i);
+                EXPECT(byte % 4 == 0 && byte >= 0 && byte % row_bytes + 4 <= kCols * int(sizeof(Element)),
                        "%s: (%d, %d) staged at byte %d", name, row, col, byte);
+                owner(tid + lane, row, col, byte);
                 EXPECT(!written[row][col] && !written[row][col + 1], "%s: (%d, %d) staged twice", name, row, col);
                 written[row][col] = written[row][col + 1] = true;
                 const int bank = byte / 4 % 32;
@@ -303,9 +301,40 @@ void check_o_staging(const char *name) {
             }
         }
     }
-    for (int r = 0; r < kM; ++r) {
-        for (int c = 0; c < kD; ++c) { EXPECT(written[r][c], "%s: (%d, %d) never staged", name, r, c); }
+    for (int r = 0; r < kRows; ++r) {
+        for (int c = 0; c < kCols; ++c) { EXPECT(written[r][c], "%s: (%d, %d) never staged", name, r, c); }
     }
+}
+
+// The staged epilogue (fwd_ws_epilogue.h): each consumer thread writes its O pairs into its own
+// consumer's 64 staging rows.
+template <typename Ws>
+void check_o_staging(const char *name) {
+    constexpr int kRowBytes = Ws::kORowBytes;
+    check_pair_staging<typename Ws::TiledMmaO, typename Ws::Element, Ws::kBlockM, Ws::kHeadDim>(
+        name, Ws::kConsumerThreads, kRowBytes, [](int row, int col) { return flash::ws_o_stage_byte<Ws>(row, col); },
+        [&](int tid, int row, int, int byte) {
+            const int consumer = tid / 128;
+            EXPECT(row / 64 == consumer, "%s: tid %d writes row %d, consumer %d's rows are %d-%d", name, tid, row,
+                   consumer, 64 * consumer, 64 * consumer + 63);
+            EXPECT(byte + 4 <= 64 * kRowBytes, "%s: row %d staged past its consumer's rows", name, row);
+        });
+}
+
+// The warp-specialised backward's staged dK / dV (bwd_ws_store_dkv_staged): the key block's tile in
+// rows of its own, 16-byte aligned (bulk copies), both tiles within the Q/dO ring and dS buffers.
+template <typename Ws>
+void check_dkv_staging(const char *name) {
+    constexpr int kN = Ws::kBlockN, kRowBytes = Ws::kDkvRowBytes;
+    static_assert(Ws::kStagedDkv);
+    using Storage = typename Ws::SharedStorage;
+    EXPECT(kRowBytes % 16 == 0 && 2 * kN * kRowBytes <= int(sizeof(Storage::q) + sizeof(Storage::dout) + sizeof(Storage::ds)),
+           "%s: staging rows of %d bytes", name, kRowBytes);
+    check_pair_staging<typename Ws::TiledMmadKV, typename Ws::Element, kN, Ws::kHeadDim>(
+        name, Ws::kConsumerThreads, kRowBytes, [](int row, int col) { return flash::bwd_dkv_stage_byte<Ws>(row, col); },
+        [&](int, int row, int col, int byte) {
+            EXPECT(byte / kRowBytes == row, "%s: (%d, %d) staged in row %d", name, row, col, byte / kRowBytes);
+        });
 }
 
 // The warp-specialised forward's tiles (WsForwardTile, default and wide): every S element held
@@ -431,6 +460,8 @@ void check_backward_ws() {
     check_warpgroup_operands<typename Ws::TiledMmaSdP, kN, kM, kHeadDim, !Ws::kKVInRegs>(name, kThreads);
     check_warpgroup_operands<typename Ws::TiledMmadKV, kN, kHeadDim, kM, Ws::kSplitHeadDim>(name, kThreads);
     check_warpgroup_operands<typename Ws::TiledMmadQ, kM, kHeadDim, kN, true>(name, kThreads);
+    if constexpr (Ws::kStagedDkv) { check_dkv_staging<Ws>(name); }
+    EXPECT(Ws::kStagedDkv == !Ws::kSplitHeadDim, "%s: staged dK / dV %d", name, int(Ws::kStagedDkv));
 }
 
 // The decode tile (64 query rows, one warpgroup) on both MMA paths.
