@@ -593,12 +593,15 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
         }
 
         const float dv_scale = Is_dropout ? params.inv_keep_prob : 1.f;
-        if (staged_dkv && n_block + schedule.cta.splits >= ceil_div(seq.seqlen_k, kBlockN)) {
-            bwd_ws_store_dkv_staged<Ws>(params, seq, acc_dk, acc_dv, tiled_mma_dkv, ctid, n_block, bidh, dv_scale,
-                                        reinterpret_cast<char *>(storage.q.data()));
-        } else {
-            bwd_ws_store_dkv<Ws>(params, seq, acc_dk, acc_dv, tiled_mma_dkv, ctid, n_block, bidh, dv_scale);
+        bool staged = false;
+        if constexpr (Ws::kStagedDkv) {
+            staged = staged_dkv && n_block + schedule.cta.splits >= ceil_div(seq.seqlen_k, kBlockN);
+            if (staged) {
+                bwd_ws_store_dkv_staged<Ws>(params, seq, acc_dk, acc_dv, tiled_mma_dkv, ctid, n_block, bidh,
+                                            dv_scale, reinterpret_cast<char *>(storage.q.data()));
+            }
         }
+        if (!staged) { bwd_ws_store_dkv<Ws>(params, seq, acc_dk, acc_dv, tiled_mma_dkv, ctid, n_block, bidh, dv_scale); }
     });
     // The dQ warp's last release: every arrival at a named barrier is waited for.
     if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
