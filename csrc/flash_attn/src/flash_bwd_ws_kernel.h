@@ -296,6 +296,12 @@ __device__ __forceinline__ void bwd_ws_dq_writer(typename Ws::SharedStorage &sto
     });
 }
 
+// Where key row key_row of this sequence and head lies in dK or dV (whose strides are given).
+__device__ __forceinline__ int64_t dkv_offset(const SequenceInfo &seq, int64_t batch_stride, int64_t row_stride,
+                                              int64_t head_stride, int64_t key_row, int bidh) {
+    return seq.k_offset(batch_stride, row_stride) + key_row * row_stride + int64_t(bidh) * head_stride;
+}
+
 // dK (times softmax_scale) and dV (times dv_scale) of key block n_block, from the consumers'
 // registers to the rows of the block that exist.
 template <typename Ws, typename Acc, typename TiledMma>
@@ -305,12 +311,11 @@ __device__ __forceinline__ void bwd_ws_store_dkv(const AttentionParams &params, 
     using Element = typename Ws::Element;
     constexpr int kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim;
     const int kv_rows = seq.seqlen_k - n_block * kBlockN;
-    auto key_block_offset = [&](int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
-        return seq.k_offset(batch_stride, row_stride) + int64_t(n_block) * kBlockN * row_stride +
-               int64_t(bidh) * head_stride;
-    };
-    const int64_t dk_row0 = key_block_offset(params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride);
-    const int64_t dv_row0 = key_block_offset(params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride);
+    const int64_t block_row = int64_t(n_block) * kBlockN;
+    const int64_t dk_row0 = dkv_offset(seq, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
+                                       block_row, bidh);
+    const int64_t dv_row0 = dkv_offset(seq, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride,
+                                       block_row, bidh);
     store_dkv<Element, kBlockN, kHeadDim>(acc_dk, tiled_mma_dkv, ctid, params.dk_ptr, dk_row0, params.dk_row_stride,
                                           kv_rows, params.head_dim, params.softmax_scale);
     store_dkv<Element, kBlockN, kHeadDim>(acc_dv, tiled_mma_dkv, ctid, params.dv_ptr, dv_row0, params.dv_row_stride,
@@ -356,10 +361,10 @@ __device__ __forceinline__ void bwd_ws_store_dkv_staged(const AttentionParams &p
     const int row = int(ctid) % kBlockN;
     if (row < seq.seqlen_k - n_block * kBlockN) {
         const bool is_dv = int(ctid) >= kBlockN;
-        const int64_t row_stride = is_dv ? params.dv_row_stride : params.dk_row_stride;
-        const int64_t offset = seq.k_offset(is_dv ? params.dv_batch_stride : params.dk_batch_stride, row_stride) +
-                               int64_t(n_block * kBlockN + row) * row_stride +
-                               int64_t(bidh) * (is_dv ? params.dv_head_stride : params.dk_head_stride);
+        const int64_t offset = dkv_offset(seq, is_dv ? params.dv_batch_stride : params.dk_batch_stride,
+                                          is_dv ? params.dv_row_stride : params.dk_row_stride,
+                                          is_dv ? params.dv_head_stride : params.dk_head_stride,
+                                          int64_t(n_block * kBlockN + row), bidh);
         Element *dst = reinterpret_cast<Element *>(is_dv ? params.dv_ptr : params.dk_ptr) + offset;
         SM90_BULK_COPY_S2G::copy(stage + int(ctid) * kRowBytes, dst, params.head_dim * int(sizeof(Element)));
         tma_store_arrive();
