@@ -237,7 +237,7 @@ def test_memory_linear_in_seqlen():
     assert per_token[1] <= 1.1 * per_token[0], per_token
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_into_unaligned_views_match_fresh_ones(d, causal):
     """dk and dv passed in as views whose rows are 4-byte but not 16-byte aligned, so that the

@@ -128,7 +128,7 @@ struct BackwardWs {
     // (a warp's pair stores then fall on 32 banks), over the Q/dO ring and the dS buffers.
     static constexpr int kDkvRowBytes = kHeadDim * int(sizeof(Element)) + 16;
     static constexpr bool kStagedDkv =
-        !kSplitHeadDim && 2 * kBlockN * kDkvRowBytes <= int(offsetof(SharedStorage, p) - offsetof(SharedStorage, q));
+        2 * kBlockN * kDkvRowBytes <= int(offsetof(SharedStorage, p) - offsetof(SharedStorage, q));
     static constexpr uint32_t kBytesQdO = kQdOElems * sizeof(Element);
     static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
     static constexpr int kDqBytes = kBlockM * kHeadDim * int(sizeof(float));
@@ -145,6 +145,7 @@ struct BackwardWs {
         AttentionParams params;
         TmaQdO tma_q, tma_do;
         TmaKV tma_k, tma_v;
+        bool staged_dkv;  // kStagedDkv, and dk's and dv's rows bulk-storable
     };
 
     static KernelArgs make_args(const AttentionParams &p) {
@@ -156,7 +157,12 @@ struct BackwardWs {
         return {p, make_tma_rows_load<SmemLayoutQdO, kBlockM, kHeadDim>(mQ),
                 make_tma_rows_load<SmemLayoutQdO, kBlockM, kHeadDim>(mdO),
                 make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mK),
-                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mV)};
+                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mV),
+                kStagedDkv &&
+                    bulk_storable(p.dk_ptr, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride, p.head_dim,
+                                  int(sizeof(Element))) &&
+                    bulk_storable(p.dv_ptr, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, p.head_dim,
+                                  int(sizeof(Element)))};
     }
 
     static bool supports(const AttentionParams &p) {
@@ -330,9 +336,9 @@ __host__ __device__ constexpr int bwd_dkv_stage_byte(int key, int col) {
 
 // The same through shared memory (Ws::kStagedDkv, the CTA's last key block: no Q or dO is loaded
 // after it): dK and dV, scaled, into 16-byte padded rows over the Q/dO ring and the dS buffers,
-// then one bulk copy a row that exists (consumer thread t: row t % kBlockN of dK, then of dV). On
-// the H200 the stores from registers cost the d128 backward 6% at 2K keys (8.5% causal; the
-// harness without any dK / dV stored).
+// then one bulk copy a row that exists (consumer thread t < 2 kBlockN: row t % kBlockN of dK, then of
+// dV; at d256, 64 keys a CTA, half the threads copy). On the H200 the stores from registers cost the
+// d128 backward 6% at 2K keys (8.5% causal; the harness without any dK / dV stored).
 template <typename Ws, typename Acc, typename TiledMma>
 __device__ __forceinline__ void bwd_ws_store_dkv_staged(const AttentionParams &params, const SequenceInfo &seq,
                                                         Acc const &acc_dk, Acc const &acc_dv,
@@ -340,7 +346,7 @@ __device__ __forceinline__ void bwd_ws_store_dkv_staged(const AttentionParams &p
                                                         int bidh, float dv_scale, char *stage) {
     using Element = typename Ws::Element;
     constexpr int kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim, kRowBytes = Ws::kDkvRowBytes;
-    static_assert(2 * kBlockN == Ws::kConsumerThreads, "a consumer thread copies one row");
+    static_assert(2 * kBlockN <= Ws::kConsumerThreads, "a consumer thread copies at most one row");
     // Every consumer is done reading the block's Q, dO and dS: they become the staging rows.
     named_barrier_sync<Ws::kBarrierdS, Ws::kConsumerThreads>();
     Tensor tc = tiled_mma_dkv.get_thread_slice(ctid).partition_C(
@@ -359,7 +365,7 @@ __device__ __forceinline__ void bwd_ws_store_dkv_staged(const AttentionParams &p
     cutlass::arch::fence_view_async_shared();  // the rows, visible to the bulk copies
     named_barrier_sync<Ws::kBarrierdS, Ws::kConsumerThreads>();
     const int row = int(ctid) % kBlockN;
-    if (row < seq.seqlen_k - n_block * kBlockN) {
+    if (int(ctid) < 2 * kBlockN && row < seq.seqlen_k - n_block * kBlockN) {
         const bool is_dv = int(ctid) >= kBlockN;
         const int64_t offset = dkv_offset(seq, is_dv ? params.dv_batch_stride : params.dk_batch_stride,
                                           is_dv ? params.dv_row_stride : params.dk_row_stride,
@@ -379,7 +385,7 @@ template <typename Ws, bool Is_dropout, bool Is_masked>
 __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, typename Ws::SharedStorage &storage,
                                                  const BwdWsSchedule<Ws, Is_masked> &schedule,
                                                  const SequenceInfo &seq, int bidb, int bidh, int64_t dq_row0,
-                                                 float *dq_accum) {
+                                                 float *dq_accum, bool staged_dkv) {
     using Element = typename Ws::Element;
     constexpr int kBlockM = Ws::kBlockM, kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim, kStages = Ws::kStages;
     const unsigned ctid = threadIdx.x - 128;
@@ -459,12 +465,6 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
     if constexpr (Is_dropout) { philox_seed_offset(params.philox, seed, offset); }
     const Dropout dropout(params, seed, offset, bidb, bidh);
     int dq_tiles = 0;  // dQ tiles this CTA's consumers have handed to the dQ warp
-    // The bulk copies of the staged dK / dV need 16-byte aligned rows.
-    constexpr int kVec = 16 / int(sizeof(Element));
-    const bool staged_dkv = Ws::kStagedDkv && reinterpret_cast<uintptr_t>(params.dk_ptr) % 16 == 0 &&
-                            reinterpret_cast<uintptr_t>(params.dv_ptr) % 16 == 0 &&
-                            (params.dk_row_stride | params.dk_head_stride | params.dk_batch_stride |
-                             params.dv_row_stride | params.dv_head_stride | params.dv_batch_stride) % kVec == 0;
 
     schedule.for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
         Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -653,7 +653,8 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         return;
     }
     cutlass::arch::warpgroup_reg_alloc<Ws::kConsumerRegisters>();
-    bwd_ws_consumers<Ws, Is_dropout>(params, storage, schedule, seq, bidb, bidh, dq_row0, dq_accum);
+    bwd_ws_consumers<Ws, Is_dropout>(params, storage, schedule, seq, bidb, bidh, dq_row0, dq_accum,
+                                      args.staged_dkv);
 #else
     __trap();  // only sm_90a images reach here; never leave the gradients unwritten
 #endif

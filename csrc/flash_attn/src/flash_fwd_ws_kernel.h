@@ -118,6 +118,7 @@ struct ForwardWs {
         TmaQ tma_q;
         TmaKV tma_k, tma_v;
         WsSchedule schedule;
+        bool staged_o;  // kStagedO, and o's rows bulk-storable
     };
 
     static KernelArgs make_args(const AttentionParams &p, bool masked, int num_sms) {
@@ -127,7 +128,9 @@ struct ForwardWs {
         auto mV = tma_rows_tensor<Element>(p.v_ptr, k_shape, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
         return {p, make_tma_rows_load<SmemLayoutQ, kBlockM, kHeadDim>(mQ),
                 make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mK),
-                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mV), WsSchedule::make(p, masked, num_sms)};
+                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mV), WsSchedule::make(p, masked, num_sms),
+                kStagedO && bulk_storable(p.o_ptr, p.o_row_stride, p.o_head_stride, p.o_batch_stride, p.head_dim,
+                                          int(sizeof(Element)))};
     }
 
     static bool supports(const AttentionParams &p) {
@@ -295,11 +298,7 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
     PipelineState state;  // consumers start at phase 0; the ring's state runs on across blocks
-    // The bulk copies of the staged epilogue need 16-byte aligned rows.
-    constexpr int kVec = 16 / int(sizeof(Element));
-    const bool staged_o = Ws::kStagedO && reinterpret_cast<uintptr_t>(params.o_ptr) % 16 == 0 &&
-                          params.o_row_stride % kVec == 0 && params.o_head_stride % kVec == 0 &&
-                          params.o_batch_stride % kVec == 0;
+    const bool staged_o = args.staged_o;
 
     for_each_block([&](const SequenceInfo &seq, int m_block, int bidh, int bidb, int item) {
         const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);

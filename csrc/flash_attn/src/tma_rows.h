@@ -77,4 +77,11 @@ inline bool tma_loadable(std::initializer_list<const void *> ptrs, std::initiali
     return head_dim % elems_per_16b == 0;
 }
 
+// Whether an output's rows can be written with bulk copies (cp.async.bulk shared -> global), which
+// need the same 16-byte alignment of base, strides and row length as the TMA loads.
+inline bool bulk_storable(const void *ptr, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
+                          int head_dim, int elem_bytes) {
+    return tma_loadable({ptr}, {row_stride, head_stride, batch_stride}, head_dim, elem_bytes);
+}
+
 }  // namespace flash
