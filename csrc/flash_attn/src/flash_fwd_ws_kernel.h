@@ -298,7 +298,9 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
     PipelineState state;  // consumers start at phase 0; the ring's state runs on across blocks
-    const bool staged_o = args.staged_o;
+    // kStagedO first: where it is false the staged code is not compiled in (as a runtime flag alone
+    // it cost the three-consumer d64 kernel 4-12%: registers).
+    const bool staged_o = Ws::kStagedO && args.staged_o;
 
     for_each_block([&](const SequenceInfo &seq, int m_block, int bidh, int bidb, int item) {
         const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);
