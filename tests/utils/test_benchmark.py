@@ -2,6 +2,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -240,6 +241,20 @@ def _run_script(script, args, tmp_path):
 def test_every_benchmark_script_is_covered():
     assert {"benchmark_flash_attention.py", "benchmark_fused_dense.py", "benchmark_layer_norm.py",
             "benchmark_rotary.py", "benchmark_cross_entropy.py", "benchmark_gpt.py"} <= set(SCRIPTS)
+
+
+def test_waiting_kernel_variants_apply_to_head():
+    """Each kernel variant in benchmarks/variants waits for a GPU session as a patch against the
+    current tree: one that no longer applies could not be timed, so a change that breaks it must
+    refresh it (or say the variant is dropped)."""
+    patches = sorted((BENCH_DIR / "variants").glob("*.patch"))
+    if not patches:
+        pytest.skip("no kernel variant is waiting")
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs a git checkout")
+    for patch in patches:
+        result = subprocess.run(["git", "apply", "--check", str(patch)], cwd=REPO, capture_output=True, text=True)
+        assert result.returncode == 0, f"{patch.name} no longer applies: {result.stderr.strip()}"
 
 
 def _interpreter_too_old(script):
