@@ -74,7 +74,7 @@ CHILD = textwrap.dedent("""
     outs = {}
     for d, causal, (sq, sk) in itertools.product(
             (64, 128, 192, 256), (False, True),
-            ((1000, 1000), (2048, 2048), (8192, 8192), (1, 8192), (64, 8192))):
+            ((1000, 1000), (1536, 1536), (2048, 2048), (8192, 8192), (1, 8192), (64, 8192))):
         torch.manual_seed(d)
         q = torch.randn(1, sq, 4, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, sk, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -125,7 +125,7 @@ def _auto_mode(d, causal, sq, sk):
     if d <= 64:
         return 0 if sk < 2048 else 2 if causal and sk < 4096 else 3
     if d <= 128:
-        return 2 if sk >= 2048 else 0
+        return 2 if sk >= 1024 else 0
     return 0 if sk < 1024 else 2 if causal else 3
 
 

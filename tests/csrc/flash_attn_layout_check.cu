@@ -273,11 +273,11 @@ void check_transposed_views(const char *name) {
     }
 }
 
-// Pair stores of an accumulator tile (two adjacent columns a lane) into staging rows of row_bytes:
-// every element staged once, 4-byte aligned inside its row's first kCols elements, a warp's 32
-// lanes on 32 banks. owner(tid, row, col, byte) checks what else the caller's staging promises.
+// Pair stores of an accumulator tile (two adjacent columns a lane) into a staging buffer: every
+// element staged once, 4-byte aligned, a warp's 32 lanes on 32 banks. owner(tid, row, col, byte)
+// checks where the caller's staging puts it.
 template <typename TiledMma, typename Element, int kRows, int kCols, typename StageByte, typename Owner>
-void check_pair_staging(const char *name, int threads, int row_bytes, StageByte stage_byte, Owner owner) {
+void check_pair_staging(const char *name, int threads, StageByte stage_byte, Owner owner) {
     static bool written[kRows][kCols];
     for (auto &row : written) { std::fill(std::begin(row), std::end(row), false); }
     Tensor probe = TiledMma{}.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
@@ -290,8 +290,7 @@ void check_pair_staging(const char *name, int threads, int row_bytes, StageByte 
                 const int row = get<0>(c(i)), col = get<1>(c(i));
                 const int byte = stage_byte(row, col);
                 EXPECT(get<0>(c(i + 1)) == row && get<1>(c(i + 1)) == col + 1, "%s: pair %d split", name, i);
-                EXPECT(byte % 4 == 0 && byte >= 0 && byte % row_bytes + 4 <= kCols * int(sizeof(Element)),
-                       "%s: (%d, %d) staged at byte %d", name, row, col, byte);
+                EXPECT(byte % 4 == 0 && byte >= 0, "%s: (%d, %d) staged at byte %d", name, row, col, byte);
                 owner(tid + lane, row, col, byte);
                 EXPECT(!written[row][col] && !written[row][col + 1], "%s: (%d, %d) staged twice", name, row, col);
                 written[row][col] = written[row][col + 1] = true;
@@ -307,17 +306,33 @@ void check_pair_staging(const char *name, int threads, int row_bytes, StageByte 
 }
 
 // The staged epilogue (fwd_ws_epilogue.h): each consumer thread writes its O pairs into its own
-// consumer's 64 staging rows.
+// consumer's 64-row tile, every element to a byte of its own, where a 128-byte-swizzled TMA box
+// of 64 columns has it: 8-row atoms of 128-byte rows whose 16-byte chunks are permuted by the row
+// (chunk ^ row % 8), column blocks of 64 after one another.
 template <typename Ws>
 void check_o_staging(const char *name) {
-    constexpr int kRowBytes = Ws::kORowBytes;
+    constexpr int kTileBytes = 64 * Ws::kHeadDim * int(sizeof(typename Ws::Element));
+    static_assert(sizeof(typename Ws::Element) == 2);
+    static bool byte_used[Ws::kConsumers][kTileBytes];
+    for (auto &tile : byte_used) { std::fill(std::begin(tile), std::end(tile), false); }
+    auto swizzled_byte = [](int row, int col) {
+        return col / 64 * 64 * 128 + row * 128 + ((col % 64 / 8) ^ (row % 8)) * 16 + col % 8 * 2;
+    };
     check_pair_staging<typename Ws::TiledMmaO, typename Ws::Element, Ws::kBlockM, Ws::kHeadDim>(
-        name, Ws::kConsumerThreads, kRowBytes, [](int row, int col) { return flash::ws_o_stage_byte<Ws>(row, col); },
-        [&](int tid, int row, int, int byte) {
+        name, Ws::kConsumerThreads, [](int row, int col) { return flash::ws_o_stage_byte<Ws>(row, col); },
+        [&](int tid, int row, int col, int byte) {
             const int consumer = tid / 128;
             EXPECT(row / 64 == consumer, "%s: tid %d writes row %d, consumer %d's rows are %d-%d", name, tid, row,
                    consumer, 64 * consumer, 64 * consumer + 63);
-            EXPECT(byte + 4 <= 64 * kRowBytes, "%s: row %d staged past its consumer's rows", name, row);
+            EXPECT(byte + 4 <= kTileBytes, "%s: row %d staged past its consumer's tile", name, row);
+            for (int e = 0; e < 2; ++e) {
+                const int stored = swizzled_byte(row % 64, col + e);
+                EXPECT(stored == byte + 2 * e, "%s: (%d, %d) staged at byte %d, the TMA box has it at %d", name,
+                       row, col + e, byte + 2 * e, stored);
+            }
+            EXPECT(!byte_used[consumer][byte] && !byte_used[consumer][byte + 2],
+                   "%s: byte %d of consumer %d staged twice", name, byte, consumer);
+            byte_used[consumer][byte] = byte_used[consumer][byte + 2] = true;
         });
 }
 
@@ -331,9 +346,11 @@ void check_dkv_staging(const char *name) {
     EXPECT(kRowBytes % 16 == 0 && 2 * kN * kRowBytes <= int(sizeof(Storage::q) + sizeof(Storage::dout) + sizeof(Storage::ds)),
            "%s: staging rows of %d bytes", name, kRowBytes);
     check_pair_staging<typename Ws::TiledMmadKV, typename Ws::Element, kN, Ws::kHeadDim>(
-        name, Ws::kConsumerThreads, kRowBytes, [](int row, int col) { return flash::bwd_dkv_stage_byte<Ws>(row, col); },
+        name, Ws::kConsumerThreads, [](int row, int col) { return flash::bwd_dkv_stage_byte<Ws>(row, col); },
         [&](int, int row, int col, int byte) {
-            EXPECT(byte / kRowBytes == row, "%s: (%d, %d) staged in row %d", name, row, col, byte / kRowBytes);
+            EXPECT(byte / kRowBytes == row && byte % kRowBytes + 4 <= Ws::kHeadDim * int(sizeof(typename Ws::Element)),
+                   "%s: (%d, %d) staged in row %d at byte %d of it", name, row, col, byte / kRowBytes,
+                   byte % kRowBytes);
         });
 }
 
@@ -354,6 +371,9 @@ void check_forward_ws() {
     check_warpgroup_operands<typename Ws::TiledMmaS, Ws::kBlockM, Ws::kBlockN, kHeadDim, true>(name, Ws::kConsumerThreads);
     check_warpgroup_operands<typename Ws::TiledMmaO, Ws::kBlockM, kHeadDim, Ws::kBlockN, false>(name, Ws::kConsumerThreads);
     using Element = cutlass::bfloat16_t;
+    // The default tiles at d64 / d128 stage O: two tiles a consumer fit beside Q and the K/V ring.
+    EXPECT(Ws::kStagedO || Wide || kHeadDim > 128, "%s: O not staged (%d bytes of shared memory staged)", name,
+           int(sizeof(typename Ws::template SharedStorageOf<true>)));
     if constexpr (Ws::kStagedO) { check_o_staging<Ws>(name); }
     check_transposed_views<Element, typename Ws::SmemLayoutKV, typename Ws::SmemLayoutVt, Ws::kBlockN, kHeadDim>(name);
     typename Ws::SmemLayoutKVStages stages;  // what TMA writes: stage s at s * kTileElems

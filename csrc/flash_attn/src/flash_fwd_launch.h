@@ -34,7 +34,8 @@ void launch_fwd(AttentionParams &params, cudaStream_t stream) {
 // The choice, from the H200 (torch-free harness, bf16, 16K tokens a batch, each mode back to back):
 //  - d64: the wide tile (three consumers) from 2K keys unmasked (+11-14% over the default tile,
 //    which beat the default kernel), from 4K causal (at 2K causal it lost 8%);
-//  - d128: the default tile from 2K keys (the wide one was 3-6% slower below 16K);
+//  - d128: the default tile from 1K keys (the wide one was 3-6% slower below 16K; at 1K, with O
+//    through a TMA store, 1.24x the default kernel unmasked and 1.10-1.14x causal);
 //  - d192 / d256: from 1K keys, the wide tile unmasked (d256: 1.14-1.44x the default kernel) and the
 //    default tile causal (1.11-1.35x; the wide one was 4-10% slower there).
 // Below those lengths, and where the default kernel takes the decode tile (its 128 rows would be
@@ -46,7 +47,7 @@ __host__ constexpr int ws_forward_auto_mode(int head_dim, bool masked, int seqle
         if (seqlen_k < kWsMinKeys) { return 0; }
         return masked && seqlen_k < 2 * kWsMinKeys ? 2 : 3;
     }
-    if (head_dim <= 128) { return seqlen_k >= kWsMinKeys ? 2 : 0; }
+    if (head_dim <= 128) { return seqlen_k >= kWsMinKeys / 2 ? 2 : 0; }
     if (seqlen_k < kWsMinKeys / 2) { return 0; }
     return masked ? 2 : 3;
 }

@@ -1,4 +1,4 @@
-// The sm90 forward with warp specialisation (flash_fwd_launch.h: from kWsMinKeys keys, or as
+// The sm90 forward with warp specialisation (flash_fwd_launch.h: from 1K or 2K keys by head dim, or as
 // FLASH_ATTN_SM90_WS says). One producer warpgroup issues TMA loads of Q and of K/V tiles into a
 // kStages-deep shared-memory ring tracked by mbarriers (CUTLASS's PipelineTmaAsync), and gives its
 // registers to the consumer warpgroups (setmaxnreg; two, or three in d64's wide tile), which own 64
@@ -64,29 +64,34 @@ struct ForwardWs {
     using Pipeline = cutlass::PipelineTmaAsync<kStages>;
     using PipelineState = typename Pipeline::PipelineState;
 
-    // O's epilogue through shared memory (fwd_ws_epilogue.h), at d128 (two consumers; it fits):
-    // each consumer's 64 rows staged there, a row padded by 16 bytes so that the accumulator's
-    // 8-row stores hit 32 different banks. On the H200 (harness, bf16) it was 1.5-3% faster than
-    // stores from registers at d128 s2K-4K, 2-4.5% causal; at d64 (two consumers) 3-5% slower
-    // at every length, and with three consumers it spilled.
-    static constexpr int kORowBytes = kHeadDim * int(sizeof(Element)) + 16;
+    // O's epilogue through shared memory (fwd_ws_epilogue.h) at d64 and d128 (two consumers): each
+    // consumer's 64 rows staged in a 128-byte-swizzled tile (the accumulator's pair stores then hit
+    // 32 different banks a warp) and written with one TMA store; two tiles a consumer, so that a
+    // block writes one while the last block's store reads the other. On the H200 (harness, bf16,
+    // two consumers) against one bulk copy a row at d128: +1.5-6% unmasked, +1-2.5% causal; at d64,
+    // against stores from registers: +3-7% at 1K-2K keys, even from 4K.
+    using SmemLayoutOStage = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                    Shape<_64, Int<kHeadDim>>{}));
     template <bool kStaged>
     struct SharedStorageOf {
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKVStages>> k;
         alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKVStages>> v;
-        alignas(128) char o[kStaged ? kConsumers * 64 * kORowBytes : 16];
+        alignas(1024) cute::array_aligned<Element, kStaged ? 2 * kConsumers * cosize_v<SmemLayoutOStage> : 8> o;
         typename Pipeline::SharedStorage pipeline_k, pipeline_v;
         alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;  // Q landed (the producer's expect-tx)
         alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty;        // the consumers are done with Q
     };
-    static constexpr bool kStagedO = kHeadDim == 128 && kConsumers == 2 && sizeof(SharedStorageOf<true>) <= 227 * 1024;
+    // Two consumers only: beside three consumers' 160 registers the staged code spilled (d64: 112-228
+    // bytes, into the main loop).
+    static constexpr bool kStagedO = kHeadDim <= 128 && kConsumers == 2 && sizeof(SharedStorageOf<true>) <= 227 * 1024;
     using SharedStorage = SharedStorageOf<kStagedO>;
     static constexpr int kSmemSize = int(sizeof(SharedStorage));
     static_assert(kSmemSize <= 227 * 1024, "one CTA per SM: the H100/H200 shared memory per block");
 
     using TmaQ = TmaRowsLoad<Element, SmemLayoutQ, kBlockM, kHeadDim>;
     using TmaKV = TmaRowsLoad<Element, SmemLayoutKV, kBlockN, kHeadDim>;
+    using TmaO = TmaRows<SM90_TMA_STORE, Element, SmemLayoutOStage, 64, kHeadDim>;
     static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
     static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -117,8 +122,9 @@ struct ForwardWs {
         AttentionParams params;
         TmaQ tma_q;
         TmaKV tma_k, tma_v;
+        TmaO tma_o;  // meaningful where staged_o
         WsSchedule schedule;
-        bool staged_o;  // kStagedO, and o's rows bulk-storable
+        bool staged_o;  // kStagedO, and o TMA-storable
     };
 
     static KernelArgs make_args(const AttentionParams &p, bool masked, int num_sms) {
@@ -126,11 +132,17 @@ struct ForwardWs {
         auto mQ = tma_rows_tensor<Element>(p.q_ptr, q_shape, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
         auto mK = tma_rows_tensor<Element>(p.k_ptr, k_shape, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
         auto mV = tma_rows_tensor<Element>(p.v_ptr, k_shape, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+        const bool staged_o = kStagedO && bulk_storable(p.o_ptr, p.o_row_stride, p.o_head_stride, p.o_batch_stride,
+                                                        p.head_dim, int(sizeof(Element)));
+        // O's descriptor only where it is used; else any valid one (q's) stands in.
+        auto mO = staged_o
+            ? tma_rows_tensor<Element>(p.o_ptr, q_shape, p.o_row_stride, p.o_head_stride, p.o_batch_stride)
+            : mQ;
         return {p, make_tma_rows_load<SmemLayoutQ, kBlockM, kHeadDim>(mQ),
                 make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mK),
-                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mV), WsSchedule::make(p, masked, num_sms),
-                kStagedO && bulk_storable(p.o_ptr, p.o_row_stride, p.o_head_stride, p.o_batch_stride, p.head_dim,
-                                          int(sizeof(Element)))};
+                make_tma_rows_load<SmemLayoutKV, kBlockN, kHeadDim>(mV),
+                make_tma_rows<SM90_TMA_STORE, SmemLayoutOStage, 64, kHeadDim>(mO),
+                WsSchedule::make(p, masked, num_sms), staged_o};
     }
 
     static bool supports(const AttentionParams &p) {
@@ -144,33 +156,15 @@ struct ForwardWs {
 
 // The consumer warpgroups' turns at the tensor cores (Overlap), round robin: consumer c waits on
 // named barrier 1 + c, 256 threads: its own 128 and the 128 arrivals of the consumer before it.
+// The ids are in registers: chosen by a branch between two barriers, they cost the main loop its
+// uniform wgmma descriptors (d64, two consumers: 19 R2UR a turn, then none; 2-4% on the H200).
 template <int kConsumers>
 __device__ __forceinline__ void ws_wait_turn(int consumer) {
-    if (consumer == 0) {
-        named_barrier_sync<1, 256>();
-    } else if (kConsumers == 2 || consumer == 1) {
-        named_barrier_sync<2, 256>();
-    } else {
-        named_barrier_sync<3, 256>();
-    }
+    named_barrier_sync<256>(1 + consumer);
 }
 template <int kConsumers>
 __device__ __forceinline__ void ws_pass_turn(int consumer) {
-    if constexpr (kConsumers == 2) {
-        if (consumer == 0) {
-            named_barrier_arrive<2, 256>();
-        } else {
-            named_barrier_arrive<1, 256>();
-        }
-    } else {
-        if (consumer == 0) {
-            named_barrier_arrive<2, 256>();
-        } else if (consumer == 1) {
-            named_barrier_arrive<3, 256>();
-        } else {
-            named_barrier_arrive<1, 256>();
-        }
-    }
+    named_barrier_arrive<256>(consumer == kConsumers - 1 ? 1 : 2 + consumer);
 }
 
 // Overlap: each consumer issues S of key block j + 1 together with O += P V of block j, then
@@ -301,6 +295,8 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
     // kStagedO first: where it is false the staged code is not compiled in (as a runtime flag alone
     // it cost the three-consumer d64 kernel 4-12%: registers).
     const bool staged_o = Ws::kStagedO && args.staged_o;
+    WsStagedO staged;
+    Element *o_tiles = storage.o.data() + (warpgroup - 1) * 2 * cosize_v<typename Ws::SmemLayoutOStage>;
 
     for_each_block([&](const SequenceInfo &seq, int m_block, int bidh, int bidb, int item) {
         const auto range = KeyBlockRange<kBlockM, kBlockN, Is_masked>::make(params, seq, m_block, 0);
@@ -311,12 +307,15 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         OnlineSoftmax<kRows> softmax;
         const ScoreMods score_mods = ScoreMods::make(params, seq, bidb, bidh);
 
+        if (staged_o) { staged.issue<Ws>(params, args.tma_o, o_tiles, warpgroup - 1, ctid % 128); }
         storage.barrier_q.wait(item % 2);
         // S = Q K^T of a key block, waited for, its K stage released, masked and exponentiated (acc_o
-        // rescaled with it): acc_s then holds P.
-        auto scores_to_p = [&](auto &acc_s, auto &scores, PipelineState const &stage_state, int n_block) {
+        // rescaled with it): acc_s then holds P. issued() runs once the product is issued.
+        auto scores_to_p = [&](auto &acc_s, auto &scores, PipelineState const &stage_state, int n_block,
+                               auto issued) {
             pipeline_k.consumer_wait(stage_state);
             wgmma_gemm<true>(tiled_mma_s, tSrQ, tSrK(stage_state.index()), acc_s);
+            issued();
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_s);
             pipeline_k.consumer_release(stage_state);
@@ -327,7 +326,7 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
             for (int n_block = range.n_block_max - 1; n_block >= range.n_block_min; --n_block) {
                 Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
                 Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
-                scores_to_p(acc_s, scores, state, n_block);
+                scores_to_p(acc_s, scores, state, n_block, [] {});
                 Tensor rP = convert_type<Element>(acc_s);
                 Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
 
@@ -343,19 +342,21 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
             const int consumer = warpgroup - 1;
             const int turns = range.n_block_max - range.n_block_min - 1;  // the same for every consumer
             int n_block = range.n_block_max - 1;
+            // Every product is issued in a turn: S of the first block, then S of j + 1 with P V of j,
+            // then the last P V. The first turn is consumer 0's: the last consumer opens it. Each
+            // turn's end opens the next consumer's, except the last consumer's last, which no turn
+            // would take (every arrival of a block is waited for within the block, so the next
+            // block's turns start afresh).
+            constexpr int kLast = Ws::kConsumers - 1;
+            if (consumer == kLast) { ws_pass_turn<Ws::kConsumers>(consumer); }
             Tensor acc_s = partition_fragment_C(tiled_mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
             Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));
-            scores_to_p(acc_s, scores, state, n_block);
+            ws_wait_turn<Ws::kConsumers>(consumer);
+            scores_to_p(acc_s, scores, state, n_block, [&] { ws_pass_turn<Ws::kConsumers>(consumer); });
             Tensor rP = convert_type<Element>(acc_s);
             Tensor tOrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
             PipelineState state_v = state;  // the stage of P's V
             ++state;
-            // The first turn is consumer 0's: the last consumer opens it. Each turn's end opens the
-            // next consumer's, except the last consumer's last, which no turn would take (every
-            // arrival of a block is waited for within the block, so the next block's turns start
-            // afresh).
-            constexpr int kLast = Ws::kConsumers - 1;
-            if (consumer == kLast && turns > 0) { ws_pass_turn<Ws::kConsumers>(consumer); }
             for (int turn = 0; turn < turns; ++turn) {
                 --n_block;
                 ws_wait_turn<Ws::kConsumers>(consumer);
@@ -363,7 +364,7 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                 wgmma_gemm<true>(tiled_mma_s, tSrQ, tSrK(state.index()), acc_s);
                 pipeline_v.consumer_wait(state_v);
                 wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state_v.index()), acc_o);
-                if (!(consumer == kLast && turn == turns - 1)) { ws_pass_turn<Ws::kConsumers>(consumer); }
+                ws_pass_turn<Ws::kConsumers>(consumer);
                 warpgroup_wait<1>();  // S of this block landed; P V of the last may still run
                 warpgroup_fence_operand(acc_s);
                 pipeline_k.consumer_release(state);
@@ -378,8 +379,10 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                 state_v = state;
                 ++state;
             }
+            ws_wait_turn<Ws::kConsumers>(consumer);
             pipeline_v.consumer_wait(state_v);
             wgmma_gemm<false, true>(tiled_mma_o, tOrP, tOrV(state_v.index()), acc_o);
+            if (consumer != kLast) { ws_pass_turn<Ws::kConsumers>(consumer); }
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_o);
             pipeline_v.consumer_release(state_v);
@@ -390,13 +393,16 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         float lse[kRows];
         softmax.finalize(acc_o_rowcol, params.score_scale, 1.f, lse, INFINITY);
         if (staged_o) {
-            ws_store_o_staged<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh,
-                                  storage.o + (warpgroup - 1) * 64 * Ws::kORowBytes, warpgroup - 1, ctid % 128);
+            staged.write<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh, o_tiles, warpgroup - 1,
+                             ctid % 128);
         } else {
             ws_store_o<Ws>(params, seq, acc_o_rowcol, tOcO_rc, lse, m_block, bidb, bidh);
         }
     });
-    if (staged_o && ctid % 128 < 64) { tma_store_wait<0>(); }  // shared memory outlives the copies' reads
+    if (staged_o) {
+        staged.issue<Ws>(params, args.tma_o, o_tiles, warpgroup - 1, ctid % 128);
+        if (ctid % 128 == 0) { tma_store_wait<0>(); }  // shared memory outlives the store's reads
+    }
 #else
     __trap();  // only sm_90a images reach here; never leave O unwritten
 #endif

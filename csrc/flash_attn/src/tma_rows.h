@@ -36,14 +36,23 @@ auto tma_rows_tensor(const void *ptr, TmaRowsShape shape, int64_t row_stride, in
                        TmaRowsStride{row_stride, _1{}, head_stride, get<3>(shape) == 1 ? 0 : batch_stride});
 }
 
-// A TMA load of (kRows, kHeadDim) tiles of such a tensor into SmemLayout, and its type.
+// A TMA copy (CopyOp: SM90_TMA_LOAD, or SM90_TMA_STORE, which writes no row past the tensor's
+// extent) of (kRows, kHeadDim) tiles between such a tensor and SmemLayout, and its type.
+template <typename CopyOp, typename SmemLayout, int kRows, int kHeadDim, typename GmemTensor>
+auto make_tma_rows(GmemTensor const &gmem) {
+    return make_tma_copy(CopyOp{}, gmem, SmemLayout{}, Shape<Int<kRows>, Int<kHeadDim>>{}, _1{});
+}
+template <typename CopyOp, typename Element, typename SmemLayout, int kRows, int kHeadDim>
+using TmaRows = decltype(make_tma_rows<CopyOp, SmemLayout, kRows, kHeadDim>(
+    tma_rows_tensor<Element>(nullptr, TmaRowsShape{}, 0, 0, 0)));
+
+// The loads (both kernels).
 template <typename SmemLayout, int kRows, int kHeadDim, typename GmemTensor>
 auto make_tma_rows_load(GmemTensor const &gmem) {
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayout{}, Shape<Int<kRows>, Int<kHeadDim>>{}, _1{});
+    return make_tma_rows<SM90_TMA_LOAD, SmemLayout, kRows, kHeadDim>(gmem);
 }
 template <typename Element, typename SmemLayout, int kRows, int kHeadDim>
-using TmaRowsLoad = decltype(make_tma_rows_load<SmemLayout, kRows, kHeadDim>(
-    tma_rows_tensor<Element>(nullptr, TmaRowsShape{}, 0, 0, 0)));
+using TmaRowsLoad = TmaRows<SM90_TMA_LOAD, Element, SmemLayout, kRows, kHeadDim>;
 
 // One head's (rows, head dim) view of a sequence in a tensor from get_tma_tensor: its batch entry
 // (padded inputs: first_row < 0), or the packed rows from first_row (varlen).

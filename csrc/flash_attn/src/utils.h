@@ -45,6 +45,26 @@ __device__ __forceinline__ void named_barrier_arrive() {
     asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
+// The same two with the id in a register (ptxas then reserves all 16): for an id that depends on the
+// warpgroup, one barrier instead of a branch between two (which, in the warp-specialised forward,
+// cost the main loop its uniform wgmma descriptors).
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_sync(int id) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
+// x, computed where this is called: the compiler cannot hoist what is derived from it out of an
+// enclosing loop (values hoisted past a main loop hold registers through it).
+__device__ __forceinline__ int computed_here(int x) {
+    int y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
 // The four lanes of a quad hold the same rows of an m16n8 accumulator; reduce across them.
 template <typename Op>
 __device__ __forceinline__ float quad_allreduce(float x, Op op) {
