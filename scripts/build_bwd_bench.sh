@@ -42,4 +42,4 @@ HARNESS_DEFINES=""; [ "${BENCH_HDIM256:-0}" = 1 ] && HARNESS_DEFINES=-DFLASH_BEN
 nvcc $FLAGS $HARNESS_DEFINES -c "$REPO"/benchmarks/csrc/attention_bwd_bench.cu -o "$OBJ/attention_bwd_bench.o" \
   >"$OBJ/attention_bwd_bench.log" 2>&1 || { cat "$OBJ/attention_bwd_bench.log"; exit 1; }
 nvcc -gencode arch=compute_90a,code=sm_90a "$OBJ"/*.o -o "$OUT"
-grep -h -A2 "flash_bwd_kernel" "$OBJ"/flash_bwd_*.log | grep -E "spill|registers" | sed 's/ptxas info    ://' || true
+grep -h -A3 -E "Compiling entry function .*flash_bwd_(ws_)?kernel" "$OBJ"/flash_bwd_*.log | grep -E "Compiling|spill|registers" | sed 's/ptxas info    ://' || true
