@@ -6,8 +6,8 @@
 //
 //   scripts/build_bwd_bench.sh SRC_DIR OUT_BINARY   (compiles the units + this file)
 //   OUT_BINARY [head_dim ...]                       (64 and/or 128, 256 if built; default 64 128)
-//   OUT_BINARY --one HEAD_DIM SEQLEN                (one non-causal case, e.g. under ncu;
-//                                                   FLASH_BENCH_REPS=1 for a sanitizer)
+//   OUT_BINARY --one HEAD_DIM SEQLEN [causal]       (one case, non-causal unless named, e.g. under
+//                                                   ncu; FLASH_BENCH_REPS=1 for a sanitizer)
 // At seqlen 1024 the o, dq, dk, dv of (batch 0, head 0) are also checked against a plain fp32 reference.
 // FLASH_BENCH_FWD_ONLY=1: the backward runs only where the check needs it (seqlen 1024).
 #include <algorithm>
@@ -282,8 +282,8 @@ static void run_case(int head_dim, bool causal, int seqlen) {
 
 int main(int argc, char **argv) {
     std::vector<int> head_dims;
-    if (argc == 4 && std::string(argv[1]) == "--one") {
-        run_case(std::atoi(argv[2]), false, std::atoi(argv[3]));
+    if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "causal")) && std::string(argv[1]) == "--one") {
+        run_case(std::atoi(argv[2]), argc == 5, std::atoi(argv[3]));
         return 0;
     }
     for (int i = 1; i < argc; ++i) { head_dims.push_back(std::atoi(argv[i])); }
