@@ -8,7 +8,9 @@
 //  - two consumer warpgroups, each owning 64 of the keys, compute S^T = K Q^T and dP^T = V dO^T on
 //    wgmma. With keys as the M dimension, P^T and dS^T come out in registers exactly as the A
 //    operands of dV += P^T dO and dK += dS^T Q: only dS goes through shared memory, for
-//    dQ = dS K, which the two warpgroups split.
+//    dQ = dS K, which the two warpgroups split. At d64 under a mask (takes_turns) they take turns
+//    at the tensor cores, so that one's exponentials and dS run under the other's products;
+//    elsewhere they meet once a query block.
 // The producer warpgroup gives its registers to the consumers (setmaxnreg).
 //
 // Head dim 256 (BackwardWs::kSplitHeadDim): dK and dV of 64 keys x 256 columns would take a
@@ -39,6 +41,7 @@
 #include "tma_rows.h"
 #include "utils.h"
 #include "wgmma.h"
+#include "ws_turns.h"
 
 namespace flash {
 
@@ -107,12 +110,32 @@ struct BackwardWs {
     using SmemLayoutdS = SmemColsMajor<Element, kBlockN, kBlockM>;    // the same bytes: A of dQ
     static constexpr int kQdOElems = kBlockM * kHeadDim, kdSElems = kBlockN * kBlockM;
 
+    // The consumer warpgroups take turns at the tensor cores (d64 under a mask; see
+    // bwd_ws_consumers), or meet once a query block. On an H100 (harness, bf16, 16K tokens, against
+    // meeting): under a causal mask +6-10% from 2K keys, level at 1K; unmasked -4% at 1K-4K and
+    // +10% at 16K, so unmasked calls keep meeting.
+    static constexpr bool kPingPong = kHeadDim == 64;
+    template <bool Is_masked> static constexpr bool takes_turns = kPingPong && Is_masked;
+    // Named barriers (0 is __syncthreads'): 1 and 2 are the consumers' turns (ws_turns.h, d64);
+    // 3: both consumer warpgroups (dS^T of both in shared memory at d128 / d256; the staged dK / dV);
+    // 4 + w / 6 + w: warpgroup w's half of a dQ tile written (it arrives, the dQ warp waits) and
+    // read (the other way round).
+    static constexpr int kBarrierdS = 3, kBarrierDqFull = 4, kBarrierDqEmpty = 6;
+    static constexpr int kDqBarrierThreads = 128 + 32;
+    // dS^T buffers (the softcap's derivative waits in them too). d128 / d256 alternate two: a
+    // buffer's last readers, block i - 2's dQ products, finished before either warpgroup passed
+    // barrier 3 at block i - 1. At d64 a block's dQ is issued in the next block's second turn: a
+    // buffer may be rewritten once both warpgroups' turns have ordered its last dQ's completion
+    // before the writer's, which three buffers ensure (see bwd_ws_consumers); four, so that the
+    // buffer index is a mask of the block count.
+    static constexpr int kDsBuffers = kPingPong ? 4 : 2;
+
     struct SharedStorage {
         alignas(1024) cute::array_aligned<Element, kBlockN * kHeadDim> k;
         alignas(1024) cute::array_aligned<Element, kBlockN * kHeadDim> v;
         alignas(1024) cute::array_aligned<Element, kQdOElems * kStages> q;
         alignas(1024) cute::array_aligned<Element, kQdOElems * kStages> dout;
-        alignas(1024) cute::array_aligned<Element, kdSElems * 2> ds;  // double-buffered: see the consumers
+        alignas(1024) cute::array_aligned<Element, kdSElems * kDsBuffers> ds;  // see kDsBuffers
         alignas(1024) cute::array_aligned<Element, kSplitHeadDim ? kdSElems * 2 : 8> p;  // P^T (d256), as ds
         alignas(1024) cute::array_aligned<float, kSplitHeadDim ? 4 : kBlockM * kHeadDim> dq;  // (unused at d256)
         alignas(16) float lse_log2[kStages][kBlockM];  // the forward's lse * log2(e), +inf past the sequence
@@ -133,10 +156,6 @@ struct BackwardWs {
     static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
     static constexpr int kDqBytes = kBlockM * kHeadDim * int(sizeof(float));
 
-    // Named barriers (0 is __syncthreads'): dS of both consumer warpgroups in shared memory; the dQ
-    // tile written (consumers arrive, the dQ warp waits) and read (the other way round).
-    static constexpr int kBarrierdS = 1, kBarrierDqFull = 2, kBarrierDqEmpty = 3;
-    static constexpr int kDqBarrierThreads = kConsumerThreads + 32;
 
     using TmaQdO = TmaRowsLoad<Element, SmemLayoutQdO, kBlockM, kHeadDim>;
     using TmaKV = TmaRowsLoad<Element, SmemLayoutKV, kBlockN, kHeadDim>;
@@ -278,8 +297,9 @@ __device__ __forceinline__ void bwd_ws_producer(const typename Ws::KernelArgs &a
     });
 }
 
-// The dQ warp: each dQ tile the consumers staged in shared memory, added into dq_accum (this
-// sequence's and head's rows) with one bulk reduction by lane 0.
+// The dQ warp: each dQ tile the consumers staged in shared memory (each warpgroup its half of the
+// head dim, behind its own barrier), added into dq_accum (this sequence's and head's rows) with
+// one bulk reduction by lane 0.
 template <typename Ws, bool Is_masked>
 __device__ __forceinline__ void bwd_ws_dq_writer(typename Ws::SharedStorage &storage,
                                                  const BwdWsSchedule<Ws, Is_masked> &schedule, float *dq_accum,
@@ -288,6 +308,7 @@ __device__ __forceinline__ void bwd_ws_dq_writer(typename Ws::SharedStorage &sto
     schedule.for_each_key_block([&](int, auto const &range, int, int) {
         for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block) {
             named_barrier_sync<Ws::kBarrierDqFull, Ws::kDqBarrierThreads>();
+            named_barrier_sync<Ws::kBarrierDqFull + 1, Ws::kDqBarrierThreads>();
             if (lane == 0) {
                 bulk_add_to_global(dq_accum + int64_t(m_block) * kBlockM * kHeadDim, storage.dq.data(),
                                    Ws::kDqBytes);
@@ -295,6 +316,7 @@ __device__ __forceinline__ void bwd_ws_dq_writer(typename Ws::SharedStorage &sto
             }
             __syncwarp();
             named_barrier_arrive<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>();
+            named_barrier_arrive<Ws::kBarrierDqEmpty + 1, Ws::kDqBarrierThreads>();
         }
         // The next key block adds into the same rows: after these have landed (the
         // deterministic order; and the additions land before the CTA goes).
@@ -464,7 +486,73 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
     uint64_t seed = 0, offset = 0;
     if constexpr (Is_dropout) { philox_seed_offset(params.philox, seed, offset); }
     const Dropout dropout(params, seed, offset, bidb, bidh);
-    int dq_tiles = 0;  // dQ tiles this CTA's consumers have handed to the dQ warp
+    int dq_tiles = 0;  // dQ tiles this warpgroup has handed to the dQ warp (d64, d128)
+    const int consumer = warpgroup_first_thread(ctid) / 128;  // known uniform: see warpgroup_first_thread
+
+    // A query block's element-wise work, S^T and dP^T in flight (the last wgmma batch issued): the
+    // forward's score modifications, P^T = exp(S^T - lse) (columns are queries), dropout, and
+    // once dP^T has landed dS^T = P^T (dP^T / keep_prob (0 where dropped) - softmax_d)
+    // [* (1 - tanh^2)] in place of dP^T. The softcap's derivative waits in the block's dS buffer
+    // (free: see kDsBuffers); each warp reads back only the rows it wrote.
+    auto scores_to_ds = [&](auto &acc_s, auto &acc_dp, int stage, int ds_buf, int m_block, int n_block) {
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc_s);
+        Tensor scores_qk = transposed_rowcol(acc_s);
+        score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores_qk, coords_qk, m_block, n_block, [&] {
+            Tensor rdtanh = ScoreMods::tanh_derivative<Element>(acc_s);
+            cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rdtanh), tdSsdS(ds_buf));
+        });
+        Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));  // (keys, queries)
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) {
+            const float lse_log2 = storage.lse_log2[stage][get<1>(tScS_rc(0, c))];
+            CUTE_UNROLL
+            for (int r = 0; r < size<0>(scores); ++r) {
+                scores(r, c) = exp2f(scores(r, c) * params.score_scale_log2 - lse_log2);
+            }
+        }
+        if constexpr (Is_dropout) {  // dropped elements become -P (see dS below)
+            dropout.apply_transposed<true>(scores, tScS_rc, n_block * kBlockN, m_block * kBlockM,
+                                           threadIdx.x % 32);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dp);
+        // Two copies of the loop, so that without softcap none of its instructions is issued.
+        Tensor dp = make_tensor(acc_dp.data(), acc_as_rowcol(acc_dp.layout()));
+        auto compute_ds = [&](auto softcap_on) {
+            constexpr bool Has_softcap = decltype(softcap_on)::value;
+            Tensor dtanh = make_tensor<Element>(acc_dp.layout());
+            if constexpr (Has_softcap) {
+                __syncwarp();  // the warp's own stmatrix above: other lanes wrote these rows
+                cute::copy(smem_load_ds, thr_load_ds.partition_S(sdSt(ds_buf)), thr_load_ds.retile_D(dtanh));
+            }
+            Tensor dtanh_rc = make_tensor(dtanh.data(), acc_as_rowcol(dtanh.layout()));
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(dp); ++c) {
+                const float row_d = storage.softmax_d[stage][get<1>(tScS_rc(0, c))];
+                CUTE_UNROLL
+                for (int r = 0; r < size<0>(dp); ++r) {
+                    dp(r, c) = softmax_grad<Is_dropout, Has_softcap>(scores(r, c), dp(r, c), row_d,
+                                                                     params.inv_keep_prob, float(dtanh_rc(r, c)));
+                }
+            }
+        };
+        if (score_mods.has_softcap) {
+            compute_ds(std::true_type{});
+        } else {
+            compute_ds(std::false_type{});
+        }
+    };
+    // dQ of query block m_block (this warpgroup's half of the head dim) to shared memory in
+    // dq_accum's byte order, for the dQ warp's bulk reduction.
+    auto hand_dq_to_writer = [&](auto const &acc_dq, int m_block) {
+        if (dq_tiles > 0) { named_barrier_sync<Ws::kDqBarrierThreads>(Ws::kBarrierDqEmpty + consumer); }
+        stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, ctid, storage.dq.data(),
+                                          dq_row0 + int64_t(m_block) * kBlockM);
+        fence_smem_for_wgmma();  // the bulk reduction reads through the async proxy
+        named_barrier_arrive<Ws::kDqBarrierThreads>(Ws::kBarrierDqFull + consumer);
+        ++dq_tiles;
+    };
 
     schedule.for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
         Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -485,114 +573,114 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
             // (session sixteenth's harness; d64 the same).
             Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
             Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-            for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block, ++iter) {
-                const int stage = iter % kStages, ds_buf = iter % 2;
-                storage.full[stage].wait((iter / kStages) % 2);
-                wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrK, tSrQ(stage), acc_s);
-                wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrV, tSrdO(stage), acc_dp);
-                warpgroup_wait<1>();
-                warpgroup_fence_operand(acc_s);
+            if constexpr (!Ws::template takes_turns<Is_masked>) {
+                // d128, d256 and unmasked d64: the warpgroups meet at barrier kBarrierdS every block, for dQ = dS K
+                // (both warpgroups' dS^T; d256: and P^T, each warpgroup needing all of both).
+                for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block, ++iter) {
+                    const int stage = iter % kStages, ds_buf = iter % Ws::kDsBuffers;
+                    storage.full[stage].wait((iter / kStages) % 2);
+                    wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrK, tSrQ(stage), acc_s);
+                    wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrV, tSrdO(stage), acc_dp);
+                    scores_to_ds(acc_s, acc_dp, stage, ds_buf, m_block, n_block);
+                    // dV += P^T dO with dropped elements zeroed (1 / keep_prob is applied once, at
+                    // the end), issued before dS^T is converted: P^T's fp32 registers die first,
+                    // which keeps the tile from spilling.
+                    Tensor rP = convert_type<Element>(acc_s);
+                    if constexpr (Ws::kSplitHeadDim) {
+                        cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rP), tdSsP(ds_buf));
+                    } else {
+                        Tensor tdVrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
+                        wgmma_gemm<false, true>(tiled_mma_dkv, tdVrP, tdVrdO(stage), acc_dv);
+                    }
+                    Tensor rdS = convert_type<Element>(acc_dp);
+                    // The buffers alternate: a warpgroup writes block i + 1's while the other may
+                    // still read block i's, and cannot reach block i + 2 before the other has passed
+                    // this barrier at i + 1.
+                    cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rdS), tdSsdS(ds_buf));
+                    fence_smem_for_wgmma();
+                    named_barrier_sync<Ws::kBarrierdS, Ws::kConsumerThreads>();
+                    Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+                    wgmma_gemm<true>(tiled_mma_dq, tdQrdS(ds_buf), tdQrK, acc_dq);
+                    if constexpr (Ws::kSplitHeadDim) {
+                        wgmma_gemm<false>(tiled_mma_dkv, tdVrPt(ds_buf), tdVrdO(stage), acc_dv);
+                        wgmma_gemm<false>(tiled_mma_dkv, tdKrdSt(ds_buf), tdKrQ(stage), acc_dk);
+                        warpgroup_wait<2>();  // dQ landed; dV and dK may still run
+                        warpgroup_fence_operand(acc_dq);
+                        add_dq_accum<Ws>(acc_dq, tiled_mma_dq, ctid, dq_accum + int64_t(m_block) * kBlockM * kHeadDim,
+                                         dq_row0 + int64_t(m_block) * kBlockM);
+                    } else {
+                        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_operand(rdS.layout()));
+                        wgmma_gemm<false, true>(tiled_mma_dkv, tdKrdS, tdKrQ(stage), acc_dk);
+                        warpgroup_wait<1>();  // dV and dQ landed; dK may still run
+                        warpgroup_fence_operand(rP);  // P^T's registers were read by dV until here
+                        warpgroup_fence_operand(acc_dq);
+                        hand_dq_to_writer(acc_dq, m_block);
+                    }
+                    warpgroup_wait<0>();
+                    warpgroup_fence_operand(acc_dk);
+                    warpgroup_fence_operand(acc_dv);
+                    warpgroup_fence_operand(rdS);  // dS^T's registers were read by dK until here
+                    storage.empty[stage].arrive();
+                }
+            } else {
+                // d64 under a mask: the warpgroups take turns at the tensor cores (ping-pong), two a
+                // block: S^T and dP^T; then dQ of the block before (both warpgroups' dS^T, written
+                // before their last turn), dV and dK. One's element-wise work runs under the
+                // other's products. A block's dQ waits a block because the other warpgroup's half
+                // of its dS^T is written only after this one's second turn; the last block's dQ
+                // is issued after the loop.
+                Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+                // A block's two turns; has_last: the block before's dQ is issued in the second (all
+                // blocks but the first). A compile-time flag, so that no turn issues a wgmma under a
+                // branch: a branch there made ptxas serialise the d128 version of this loop.
+                auto block = [&](int m_block, auto has_last_t) {
+                    constexpr bool has_last = decltype(has_last_t)::value;
+                    const int stage = iter % kStages, ds_buf = iter % Ws::kDsBuffers;
+                    const int last_ds_buf = (iter + Ws::kDsBuffers - 1) % Ws::kDsBuffers;
+                    storage.full[stage].wait((iter / kStages) % 2);
+                    ws_wait_turn<2>(consumer);
+                    wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrK, tSrQ(stage), acc_s);
+                    wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrV, tSrdO(stage), acc_dp);
+                    ws_pass_turn<2>(consumer);
+                    scores_to_ds(acc_s, acc_dp, stage, ds_buf, m_block, n_block);
+                    Tensor rP = convert_type<Element>(acc_s);
+                    Tensor rdS = convert_type<Element>(acc_dp);
+                    cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rdS), tdSsdS(ds_buf));
+                    fence_smem_for_wgmma();  // read by dQ's wgmma after the other's turn barrier
 
-                // The forward's score modifications, then P^T = exp(S^T - lse) (columns are queries).
-                // The softcap's derivative 1 - tanh^2 waits in this block's dS buffer (free: its last
-                // readers, block i - 2's dQ products, finished before either warpgroup passed the dS
-                // barrier of block i - 1); each warp reads back only the rows it wrote.
-                Tensor scores_qk = transposed_rowcol(acc_s);
-                score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores_qk, coords_qk, m_block, n_block, [&] {
-                    Tensor rdtanh = ScoreMods::tanh_derivative<Element>(acc_s);
-                    cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rdtanh), tdSsdS(ds_buf));
-                });
-                Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));  // (keys, queries)
-                CUTE_UNROLL
-                for (int c = 0; c < size<1>(scores); ++c) {
-                    const float lse_log2 = storage.lse_log2[stage][get<1>(tScS_rc(0, c))];
-                    CUTE_UNROLL
-                    for (int r = 0; r < size<0>(scores); ++r) {
-                        scores(r, c) = exp2f(scores(r, c) * params.score_scale_log2 - lse_log2);
-                    }
-                }
-                if constexpr (Is_dropout) {  // dropped elements become -P (see dS below)
-                    dropout.apply_transposed<true>(scores, tScS_rc, n_block * kBlockN, m_block * kBlockM,
-                                                   threadIdx.x % 32);
-                }
-                warpgroup_wait<0>();
-                warpgroup_fence_operand(acc_dp);
-
-                // dS^T = P^T (dP^T / keep_prob (0 where dropped) - softmax_d) [* (1 - tanh^2)] in
-                // place of dP^T, then dV += P^T dO with dropped elements zeroed (1 / keep_prob is
-                // applied once, at the end); P^T's fp32 registers die first: this order keeps the
-                // tile from spilling. Two copies of the loop, so that without softcap none of its
-                // instructions is issued.
-                Tensor dp = make_tensor(acc_dp.data(), acc_as_rowcol(acc_dp.layout()));
-                auto compute_ds = [&](auto softcap_on) {
-                    constexpr bool Has_softcap = decltype(softcap_on)::value;
-                    Tensor dtanh = make_tensor<Element>(acc_dp.layout());
-                    if constexpr (Has_softcap) {
-                        __syncwarp();  // the warp's own stmatrix above: other lanes wrote these rows
-                        cute::copy(smem_load_ds, thr_load_ds.partition_S(sdSt(ds_buf)), thr_load_ds.retile_D(dtanh));
-                    }
-                    Tensor dtanh_rc = make_tensor(dtanh.data(), acc_as_rowcol(dtanh.layout()));
-                    CUTE_UNROLL
-                    for (int c = 0; c < size<1>(dp); ++c) {
-                        const float row_d = storage.softmax_d[stage][get<1>(tScS_rc(0, c))];
-                        CUTE_UNROLL
-                        for (int r = 0; r < size<0>(dp); ++r) {
-                            dp(r, c) = softmax_grad<Is_dropout, Has_softcap>(scores(r, c), dp(r, c), row_d,
-                                                                             params.inv_keep_prob,
-                                                                             float(dtanh_rc(r, c)));
-                        }
-                    }
-                };
-                if (score_mods.has_softcap) {
-                    compute_ds(std::true_type{});
-                } else {
-                    compute_ds(std::false_type{});
-                }
-                Tensor rP = convert_type<Element>(acc_s);
-                if constexpr (Ws::kSplitHeadDim) {  // P^T beside dS^T: each warpgroup needs all of both
-                    cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rP), tdSsP(ds_buf));
-                } else {
+                    ws_wait_turn<2>(consumer);
+                    if constexpr (has_last) { wgmma_gemm<true>(tiled_mma_dq, tdQrdS(last_ds_buf), tdQrK, acc_dq); }
                     Tensor tdVrP = make_tensor(rP.data(), acc_as_A_operand(rP.layout()));
                     wgmma_gemm<false, true>(tiled_mma_dkv, tdVrP, tdVrdO(stage), acc_dv);
-                }
-                Tensor rdS = convert_type<Element>(acc_dp);
-
-                // dS to shared memory for dQ = dS K, which needs both warpgroups' keys. The buffers
-                // alternate: a warpgroup writes block i + 1's while the other may still read block
-                // i's, and cannot reach block i + 2 before the other has passed this barrier at i + 1.
-                cute::copy(smem_copy_ds, thr_copy_ds.retile_S(rdS), tdSsdS(ds_buf));
-                fence_smem_for_wgmma();
-                named_barrier_sync<Ws::kBarrierdS, Ws::kConsumerThreads>();
-                Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-                wgmma_gemm<true>(tiled_mma_dq, tdQrdS(ds_buf), tdQrK, acc_dq);
-                if constexpr (Ws::kSplitHeadDim) {
-                    wgmma_gemm<false>(tiled_mma_dkv, tdVrPt(ds_buf), tdVrdO(stage), acc_dv);
-                    wgmma_gemm<false>(tiled_mma_dkv, tdKrdSt(ds_buf), tdKrQ(stage), acc_dk);
-                    warpgroup_wait<2>();  // dQ landed; dV and dK may still run
-                    warpgroup_fence_operand(acc_dq);
-                    add_dq_accum<Ws>(acc_dq, tiled_mma_dq, ctid, dq_accum + int64_t(m_block) * kBlockM * kHeadDim,
-                                     dq_row0 + int64_t(m_block) * kBlockM);
-                } else {
                     Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_operand(rdS.layout()));
                     wgmma_gemm<false, true>(tiled_mma_dkv, tdKrdS, tdKrQ(stage), acc_dk);
-                    warpgroup_wait<1>();  // dV and dQ landed; dK may still run
-                    warpgroup_fence_operand(rP);  // P^T's registers were read by dV until here
-                    warpgroup_fence_operand(acc_dq);
-
-                    // dQ to shared memory in dq_accum's byte order, for the dQ warp's bulk reduction.
-                    if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
-                    stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, ctid, storage.dq.data(),
-                                                      dq_row0 + int64_t(m_block) * kBlockM);
-                    fence_smem_for_wgmma();  // the bulk reduction reads through the async proxy
-                    named_barrier_arrive<Ws::kBarrierDqFull, Ws::kDqBarrierThreads>();
-                    ++dq_tiles;
+                    ws_pass_turn<2>(consumer);
+                    if constexpr (has_last) {
+                        warpgroup_wait<2>();  // dQ landed; dV and dK may still run
+                        warpgroup_fence_operand(acc_dq);
+                        hand_dq_to_writer(acc_dq, m_block - 1);
+                    }
+                    warpgroup_wait<0>();
+                    warpgroup_fence_operand(acc_dk);
+                    warpgroup_fence_operand(acc_dv);
+                    warpgroup_fence_operand(rP);   // read by dV until here
+                    warpgroup_fence_operand(rdS);  // read by dK until here
+                    storage.empty[stage].arrive();
+                    ++iter;
+                };
+                if (consumer == 1) { ws_pass_turn<2>(consumer); }  // opens consumer 0's first turn
+                block(range.m_block_min, std::false_type{});
+                for (int m_block = range.m_block_min + 1; m_block < range.m_block_max; ++m_block) {
+                    block(m_block, std::true_type{});
                 }
-
+                // The last block's dQ: consumer 0 waits for consumer 1's last turn (its dS^T
+                // written), which passes no more; consumer 1 saw consumer 0's dS^T at its own last
+                // turn. Every arrival of a key block is waited for within it.
+                if (consumer == 0) { ws_wait_turn<2>(consumer); }
+                wgmma_gemm<true>(tiled_mma_dq, tdQrdS((iter + Ws::kDsBuffers - 1) % Ws::kDsBuffers), tdQrK, acc_dq);
                 warpgroup_wait<0>();
-                warpgroup_fence_operand(acc_dk);
-                warpgroup_fence_operand(acc_dv);
-                warpgroup_fence_operand(rdS);  // dS^T's registers were read by dK until here
-                storage.empty[stage].arrive();
+                warpgroup_fence_operand(acc_dq);
+                hand_dq_to_writer(acc_dq, range.m_block_max - 1);
             }
             storage.kv_empty.arrive();
         }
@@ -609,7 +697,7 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
         if (!staged) { bwd_ws_store_dkv<Ws>(params, seq, acc_dk, acc_dv, tiled_mma_dkv, ctid, n_block, bidh, dv_scale); }
     });
     // The dQ warp's last release: every arrival at a named barrier is waited for.
-    if (dq_tiles > 0) { named_barrier_sync<Ws::kBarrierDqEmpty, Ws::kDqBarrierThreads>(); }
+    if (dq_tiles > 0) { named_barrier_sync<Ws::kDqBarrierThreads>(Ws::kBarrierDqEmpty + consumer); }
 }
 
 // grid: BackwardCta's. Deterministic: each CTA adds its dQ tiles into its own dq_accum split, one

@@ -28,6 +28,7 @@
 #include "tma_rows.h"
 #include "utils.h"
 #include "wgmma.h"
+#include "ws_turns.h"
 
 namespace flash {
 
@@ -153,19 +154,6 @@ struct ForwardWs {
                             p.head_dim, int(sizeof(Element)));
     }
 };
-
-// The consumer warpgroups' turns at the tensor cores (Overlap), round robin: consumer c waits on
-// named barrier 1 + c, 256 threads: its own 128 and the 128 arrivals of the consumer before it.
-// The ids are in registers: chosen by a branch between two barriers, they cost the main loop its
-// uniform wgmma descriptors (d64, two consumers: 19 R2UR a turn, then none; 2-4% on the H200).
-template <int kConsumers>
-__device__ __forceinline__ void ws_wait_turn(int consumer) {
-    named_barrier_sync<256>(1 + consumer);
-}
-template <int kConsumers>
-__device__ __forceinline__ void ws_pass_turn(int consumer) {
-    named_barrier_arrive<256>(consumer == kConsumers - 1 ? 1 : 2 + consumer);
-}
 
 // Overlap: each consumer issues S of key block j + 1 together with O += P V of block j, then
 // exponentiates S while P V still runs (O is rescaled after it lands), and the consumers take turns
