@@ -20,7 +20,7 @@ from flash_attn.utils.testing import cached_child_results, run_child_with_flag
 TESTS = Path(__file__).resolve().parent
 
 CHILD = textwrap.dedent("""
-    import itertools, sys
+    import itertools, re, sys
     import torch
     sys.path.insert(0, sys.argv[1])
     from test_flash_attn_backward import (_run_and_check, test_backward_varlen,
@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
     from flash_attn import flash_attn_func
 
     check = sys.argv[3] == "check"
-    cases = dropout = varlen = batch16 = deterministic = 0
+    cases = dropout = varlen = batch16 = deterministic = turns = 0
     for d, dtype, mha_type, (causal, local), (alibi, softcap), (sq, sk) in itertools.product(
             (64, 128, 256), (torch.bfloat16, torch.float16), ("mha", "gqa", "mqa"),
             ((False, False), (True, False), (False, True), (True, True)),
@@ -67,6 +67,36 @@ CHILD = textwrap.dedent("""
             break
         test_deterministic_backward_is_bitwise_reproducible(mha_type, dropout_p, varlen_input)
         deterministic += 1
+    # Which loop ran (the kernel's last template argument, Takes_turns): d64's consumers take turns
+    # under a mask, and unmasked from 8K queries and keys (BackwardWs::takes_turns); the long
+    # unmasked cases meet the error rule with every score modifier.
+    def turns_ran(*case):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _run_and_check(*case)
+        names = [e.name for e in prof.events() if "flash_bwd_ws_kernel" in e.name]
+        flags = {re.search(r",\\s*(true|false)>\\s*\\(", n).group(1) for n in names}
+        assert len(flags) == 1, names
+        return flags.pop() == "true"
+    for dtype, (mha_type, alibi, softcap, dropout_p), (sq, sk) in itertools.product(
+            (torch.bfloat16, torch.float16),
+            (("mha", False, 0.0, 0.0), ("gqa", True, 0.0, 0.0), ("mqa", False, 30.0, 0.0), ("gqa", False, 0.0, 0.17)),
+            ((8192, 8192), (8201, 8319))):
+        if not check:
+            break
+        torch.manual_seed(sq + sk)
+        assert turns_ran(1, sq, sk, 64, dtype, mha_type, False, False, alibi, softcap, dropout_p), (sq, sk)
+        turns += 1
+    for d, causal, local, (sq, sk), expected in (
+            (64, False, False, (2048, 2048), False), (64, False, False, (8192, 2048), False),
+            (64, False, False, (2048, 8192), False), (64, True, False, (1025, 1024), True),
+            (64, False, True, (2048, 2048), True), (128, False, False, (8192, 8192), False),
+            (128, True, False, (1025, 1024), False)):
+        if not check:
+            break
+        torch.manual_seed(sq + d)
+        assert turns_ran(1, sq, sk, d, torch.bfloat16, "mha", causal, local, False, 0.0, 0.0) == expected, (
+            d, causal, local, sq, sk)
+        turns += 1
 
     # Gradients of fixed inputs, for the comparison across processes, and whether the
     # warp-specialised kernel computed them.
@@ -87,8 +117,8 @@ CHILD = textwrap.dedent("""
         assert any("flash_bwd_kernel" in n or "flash_bwd_ws_kernel" in n for n in kernels), kernels
         ws_ran[d, causal, sq, sk, extra] = any("flash_bwd_ws_kernel" in n for n in kernels)
     torch.save((grads, ws_ran), sys.argv[2])
-    print(f"{cases} padded, {dropout} dropout, {varlen} varlen, {batch16} batch-16 and {deterministic} "
-          "deterministic cases passed")
+    print(f"{cases} padded, {dropout} dropout, {varlen} varlen, {batch16} batch-16, {deterministic} "
+          f"deterministic and {turns} turns cases passed")
 """)
 
 
@@ -99,7 +129,7 @@ def _child(tmp_path, flag, check):
     out_file = tmp_path / f"grads_{flag}.pt"
     stdout = run_child_with_flag(CHILD, (TESTS, out_file, "check" if check else "grads"), "FLASH_ATTN_SM90_WS_BWD",
                                  flag, timeout=900)
-    assert not check or "648 padded, 108 dropout, 72 varlen, 6 batch-16 and 8 deterministic cases passed" in stdout, (
+    assert not check or "648 padded, 108 dropout, 72 varlen, 6 batch-16, 8 deterministic and 23 turns cases passed" in stdout, (
         stdout[-3000:])
     return torch.load(out_file)
 

@@ -30,13 +30,22 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
         const bool use = mode == kWsAuto ? params.seqlen_k >= kWsBwdMinKeys : mode == 1;
         using Ws = BackwardWs<kHeadDim, Element>;
         if (!use || !Ws::supports(params)) { return false; }
-        auto kernel = &flash_bwd_ws_kernel<Ws, Is_dropout, Is_masked>;
-        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
-                   "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised backward kernel");
-        const typename Ws::KernelArgs args = Ws::make_args(params);
-        const int n_blocks = ceil_div(params.seqlen_k, Ws::kBlockN);
-        kernel<<<bwd_grid_size(params, n_blocks), Ws::kThreads, Ws::kSmemSize, stream>>>(args);
-        check_cuda(cudaGetLastError(), "launch of the warp-specialised backward kernel");
+        auto launch = [&](auto kernel) {
+            check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ws::kSmemSize),
+                       "cudaFuncSetAttribute(max dynamic shared memory) of the warp-specialised backward kernel");
+            const typename Ws::KernelArgs args = Ws::make_args(params);
+            const int n_blocks = ceil_div(params.seqlen_k, Ws::kBlockN);
+            kernel<<<bwd_grid_size(params, n_blocks), Ws::kThreads, Ws::kSmemSize, stream>>>(args);
+            check_cuda(cudaGetLastError(), "launch of the warp-specialised backward kernel");
+        };
+        // Masked or not is compile-time; an unmasked d64 call takes turns by its lengths (two kernels).
+        if constexpr (Ws::kPingPong && !Is_masked) {
+            if (Ws::takes_turns(params)) {
+                launch(&flash_bwd_ws_kernel<Ws, Is_dropout, Is_masked, true>);
+                return true;
+            }
+        }
+        launch(&flash_bwd_ws_kernel<Ws, Is_dropout, Is_masked, Ws::kPingPong && Is_masked>);
         return true;
     }
 }

@@ -8,9 +8,9 @@
 //  - two consumer warpgroups, each owning 64 of the keys, compute S^T = K Q^T and dP^T = V dO^T on
 //    wgmma. With keys as the M dimension, P^T and dS^T come out in registers exactly as the A
 //    operands of dV += P^T dO and dK += dS^T Q: only dS goes through shared memory, for
-//    dQ = dS K, which the two warpgroups split. At d64 under a mask (takes_turns) they take turns
-//    at the tensor cores, so that one's exponentials and dS run under the other's products;
-//    elsewhere they meet once a query block.
+//    dQ = dS K, which the two warpgroups split. At d64 under a mask or on long sequences
+//    (takes_turns) they take turns at the tensor cores, so that one's exponentials and dS run
+//    under the other's products; elsewhere they meet once a query block.
 // The producer warpgroup gives its registers to the consumers (setmaxnreg).
 //
 // Head dim 256 (BackwardWs::kSplitHeadDim): dK and dV of 64 keys x 256 columns would take a
@@ -110,12 +110,15 @@ struct BackwardWs {
     using SmemLayoutdS = SmemColsMajor<Element, kBlockN, kBlockM>;    // the same bytes: A of dQ
     static constexpr int kQdOElems = kBlockM * kHeadDim, kdSElems = kBlockN * kBlockM;
 
-    // The consumer warpgroups take turns at the tensor cores (d64 under a mask; see
-    // bwd_ws_consumers), or meet once a query block. On an H100 (harness, bf16, 16K tokens, against
-    // meeting): under a causal mask +6-10% from 2K keys, level at 1K; unmasked -4% at 1K-4K and
-    // +10% at 16K, so unmasked calls keep meeting.
+    // The consumer warpgroups take turns at the tensor cores (d64 under a mask, or unmasked from
+    // kTurnsMinUnmasked queries and keys; see bwd_ws_consumers), or meet once a query block. On an
+    // H100 (harness, bf16, 16K tokens, against meeting): under a causal mask +6-10% from 2K keys,
+    // level at 1K; unmasked -4% at 1K-4K, +3% at 8K and +6-8% at 16K (session twenty-fifth).
     static constexpr bool kPingPong = kHeadDim == 64;
-    template <bool Is_masked> static constexpr bool takes_turns = kPingPong && Is_masked;
+    static constexpr int kTurnsMinUnmasked = 8192;
+    static bool takes_turns(const AttentionParams &p) {
+        return kPingPong && (p.is_masked || (p.seqlen_q >= kTurnsMinUnmasked && p.seqlen_k >= kTurnsMinUnmasked));
+    }
     // Named barriers (0 is __syncthreads'): 1 and 2 are the consumers' turns (ws_turns.h, d64);
     // 3: both consumer warpgroups (dS^T of both in shared memory at d128 / d256; the staged dK / dV);
     // 4 + w / 6 + w: warpgroup w's half of a dQ tile written (it arrives, the dQ warp waits) and
@@ -403,7 +406,7 @@ __device__ __forceinline__ void bwd_ws_store_dkv_staged(const AttentionParams &p
 // The two consumer warpgroups (threads 128..383, as threads 0..255 of their MMAs): per query block,
 // S^T and dP^T, the score modifications, P^T, dropout, dS^T, dV, dK and dQ (handed to the dQ warp);
 // per key block, dK and dV out of their registers.
-template <typename Ws, bool Is_dropout, bool Is_masked>
+template <typename Ws, bool Is_dropout, bool Is_masked, bool Takes_turns>
 __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, typename Ws::SharedStorage &storage,
                                                  const BwdWsSchedule<Ws, Is_masked> &schedule,
                                                  const SequenceInfo &seq, int bidb, int bidh, int64_t dq_row0,
@@ -573,8 +576,9 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
             // (session sixteenth's harness; d64 the same).
             Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
             Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-            if constexpr (!Ws::template takes_turns<Is_masked>) {
-                // d128, d256 and unmasked d64: the warpgroups meet at barrier kBarrierdS every block, for dQ = dS K
+            static_assert(!Takes_turns || Ws::kPingPong, "the turns need d64's four dS^T buffers");
+            if constexpr (!Takes_turns) {
+                // d128, d256 and d64 unmasked short: the warpgroups meet at barrier kBarrierdS every block, for dQ = dS K
                 // (both warpgroups' dS^T; d256: and P^T, each warpgroup needing all of both).
                 for (int m_block = range.m_block_min; m_block < range.m_block_max; ++m_block, ++iter) {
                     const int stage = iter % kStages, ds_buf = iter % Ws::kDsBuffers;
@@ -623,7 +627,7 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                     storage.empty[stage].arrive();
                 }
             } else {
-                // d64 under a mask: the warpgroups take turns at the tensor cores (ping-pong), two a
+                // d64 under a mask or long: the warpgroups take turns at the tensor cores (ping-pong), two a
                 // block: S^T and dP^T; then dQ of the block before (both warpgroups' dS^T, written
                 // before their last turn), dV and dK. One's element-wise work runs under the
                 // other's products. A block's dQ waits a block because the other warpgroup's half
@@ -702,7 +706,7 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
 
 // grid: BackwardCta's. Deterministic: each CTA adds its dQ tiles into its own dq_accum split, one
 // key block's after the last one's have landed, so every element sums in a fixed order.
-template <typename Ws, bool Is_dropout, bool Is_masked>
+template <typename Ws, bool Is_dropout, bool Is_masked, bool Takes_turns>
 __global__ void __launch_bounds__(Ws::kThreads, 1)
 flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
 #if FLASH_WGMMA_ARCH
@@ -741,8 +745,8 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
         return;
     }
     cutlass::arch::warpgroup_reg_alloc<Ws::kConsumerRegisters>();
-    bwd_ws_consumers<Ws, Is_dropout>(params, storage, schedule, seq, bidb, bidh, dq_row0, dq_accum,
-                                      args.staged_dkv);
+    bwd_ws_consumers<Ws, Is_dropout, Is_masked, Takes_turns>(params, storage, schedule, seq, bidb, bidh, dq_row0,
+                                                             dq_accum, args.staged_dkv);
 #else
     __trap();  // only sm_90a images reach here; never leave the gradients unwritten
 #endif
