@@ -27,7 +27,8 @@ def number(text):
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    rows = list(csv.reader(open(sys.argv[1], errors="replace")))
+    with open(sys.argv[1], errors="replace") as source_page:
+        rows = list(csv.reader(source_page))
     top = int(sys.argv[2]) if len(sys.argv) > 2 else 60
     header_at = next((i for i, r in enumerate(rows) if any(c.strip().startswith("Source") for c in r)), None)
     if header_at is None:
@@ -44,7 +45,9 @@ def main():
     total = sum(number(r[col[samples]]) for r in body) or 1.0
     print(f"{len(body)} instructions, {total:.0f} samples")
 
-    reasons = [h for h in header if re.search(r"stall", h, re.I) and h != samples and "Not-issued" not in h and "Not Issued" not in h]
+    # Per-reason columns, each also given for not-issued samples only (skipped).
+    reasons = [h for h in header
+               if re.search(r"stall", h, re.I) and h != samples and not re.search(r"not[- ]issued", h, re.I)]
     if reasons:
         print("by reason:")
         sums = sorted(((sum(number(r[col[h]]) for r in body), h) for h in reasons), reverse=True)

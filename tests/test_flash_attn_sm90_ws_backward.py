@@ -68,7 +68,7 @@ CHILD = textwrap.dedent("""
         test_deterministic_backward_is_bitwise_reproducible(mha_type, dropout_p, varlen_input)
         deterministic += 1
     # Which loop ran (the kernel's last template argument, Takes_turns): d64's consumers take turns
-    # under a mask, and unmasked from 8K queries and keys (BackwardWs::takes_turns); the long
+    # under a mask, and unmasked from 8K queries and keys (BackwardWs::unmasked_takes_turns); the long
     # unmasked cases meet the error rule with every score modifier.
     def turns_ran(*case):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

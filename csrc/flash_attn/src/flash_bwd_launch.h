@@ -40,7 +40,7 @@ bool launch_bwd_ws(AttentionParams &params, cudaStream_t stream) {
         };
         // Masked or not is compile-time; an unmasked d64 call takes turns by its lengths (two kernels).
         if constexpr (Ws::kPingPong && !Is_masked) {
-            if (Ws::takes_turns(params)) {
+            if (Ws::unmasked_takes_turns(params)) {
                 launch(&flash_bwd_ws_kernel<Ws, Is_dropout, Is_masked, true>);
                 return true;
             }

@@ -9,7 +9,7 @@
 //    wgmma. With keys as the M dimension, P^T and dS^T come out in registers exactly as the A
 //    operands of dV += P^T dO and dK += dS^T Q: only dS goes through shared memory, for
 //    dQ = dS K, which the two warpgroups split. At d64 under a mask or on long sequences
-//    (takes_turns) they take turns at the tensor cores, so that one's exponentials and dS run
+//    (kPingPong) they take turns at the tensor cores, so that one's exponentials and dS run
 //    under the other's products; elsewhere they meet once a query block.
 // The producer warpgroup gives its registers to the consumers (setmaxnreg).
 //
@@ -114,10 +114,11 @@ struct BackwardWs {
     // kTurnsMinUnmasked queries and keys; see bwd_ws_consumers), or meet once a query block. On an
     // H100 (harness, bf16, 16K tokens, against meeting): under a causal mask +6-10% from 2K keys,
     // level at 1K; unmasked -4% at 1K-4K, +3% at 8K and +6-8% at 16K (session twenty-fifth).
+    // The masked d64 units hold only the turns kernel; the unmasked ones both (flash_bwd_launch.h).
     static constexpr bool kPingPong = kHeadDim == 64;
     static constexpr int kTurnsMinUnmasked = 8192;
-    static bool takes_turns(const AttentionParams &p) {
-        return kPingPong && (p.is_masked || (p.seqlen_q >= kTurnsMinUnmasked && p.seqlen_k >= kTurnsMinUnmasked));
+    static bool unmasked_takes_turns(const AttentionParams &p) {
+        return kPingPong && p.seqlen_q >= kTurnsMinUnmasked && p.seqlen_k >= kTurnsMinUnmasked;
     }
     // Named barriers (0 is __syncthreads'): 1 and 2 are the consumers' turns (ws_turns.h, d64);
     // 3: both consumer warpgroups (dS^T of both in shared memory at d128 / d256; the staged dK / dV);
