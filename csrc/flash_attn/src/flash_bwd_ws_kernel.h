@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -142,7 +143,9 @@ struct BackwardWs {
         alignas(1024) cute::array_aligned<Element, kdSElems * kDsBuffers> ds;  // see kDsBuffers
         alignas(1024) cute::array_aligned<Element, kSplitHeadDim ? kdSElems * 2 : 8> p;  // P^T (d256), as ds
         alignas(1024) cute::array_aligned<float, kSplitHeadDim ? 4 : kBlockM * kHeadDim> dq;  // (unused at d256)
-        alignas(16) float lse_log2[kStages][kBlockM];  // the forward's lse * log2(e), +inf past the sequence
+        // The stage's rows' lse (the forward's; the consumers scale it by log2(e)) and softmax_d, +inf
+        // and 0 past the sequence.
+        alignas(16) float lse[kStages][kBlockM];
         alignas(16) float softmax_d[kStages][kBlockM];
         alignas(16) cutlass::arch::ClusterTransactionBarrier full[kStages];  // Q, dO, lse, d of a stage landed
         alignas(16) cutlass::arch::ClusterBarrier empty[kStages];            // the consumers are done with it
@@ -231,9 +234,11 @@ struct BwdWsSchedule {
     }
 };
 
+// Read by the cp.async of a row past the sequence (a copy's source must be global memory).
+static __device__ const float kLsePastSequence = INFINITY;
+
 // The producer warp: K and V of each key block (TMA, once), and each query block's Q and dO (TMA)
-// with its rows' lse * log2(e) and softmax_d (stored by the lanes, +inf / 0 past the sequence) into
-// the ring's next stage.
+// with its rows' lse and softmax_d (cp.async) into the ring's next stage.
 template <typename Ws, bool Is_masked>
 __device__ __forceinline__ void bwd_ws_producer(const typename Ws::KernelArgs &args,
                                                 typename Ws::SharedStorage &storage,
@@ -241,7 +246,6 @@ __device__ __forceinline__ void bwd_ws_producer(const typename Ws::KernelArgs &a
                                                 int bidb, int bidh, int lane) {
     using Element = typename Ws::Element;
     constexpr int kBlockM = Ws::kBlockM, kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim, kStages = Ws::kStages;
-    constexpr float kLog2e = 1.4426950408889634f;
     const AttentionParams &params = args.params;
     using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
     const int bidh_k = bidh / params.heads_per_head_k;
@@ -289,14 +293,20 @@ __device__ __forceinline__ void bwd_ws_producer(const typename Ws::KernelArgs &a
                 copy(args.tma_q.with(barrier, 0), tQgQ(_, m_block), tQsQ(_, stage));
                 copy(args.tma_do.with(barrier, 0), tdOgdO(_, m_block), tdOsdO(_, stage));
             }
+            // The rows' lse and softmax_d by cp.async, each lane's arrival made when its copies land:
+            // the producer goes straight on to the next stage (loads into registers made it wait a
+            // global round trip a stage, which the consumers waited for at short keys). Rows past the
+            // sequence get +inf and 0 by cp.async too, so the barrier alone orders every write.
             for (int i = lane; i < kBlockM; i += 32) {
                 const int row = m_block * kBlockM + i;
                 const bool valid = row < seq.seqlen_q;
                 const int64_t idx = valid ? lse_index(params, seq, bidb, bidh, row) : 0;
-                storage.lse_log2[stage][i] = valid ? params.softmax_lse_ptr[idx] * kLog2e : INFINITY;
-                storage.softmax_d[stage][i] = valid ? params.softmax_d_ptr[idx] : 0.f;
+                SM80_CP_ASYNC_CACHEALWAYS<float>::copy(valid ? params.softmax_lse_ptr[idx] : kLsePastSequence,
+                                                       storage.lse[stage][i]);
+                SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(params.softmax_d_ptr[idx], storage.softmax_d[stage][i],
+                                                             valid);
             }
-            storage.full[stage].arrive();  // release: the stores above are seen by the waiters
+            cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t const *>(&storage.full[stage]));
         }
     });
 }
@@ -414,6 +424,7 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                                                  float *dq_accum, bool staged_dkv) {
     using Element = typename Ws::Element;
     constexpr int kBlockM = Ws::kBlockM, kBlockN = Ws::kBlockN, kHeadDim = Ws::kHeadDim, kStages = Ws::kStages;
+    constexpr float kLog2e = 1.4426950408889634f;
     const unsigned ctid = threadIdx.x - 128;
     typename Ws::TiledMmaSdP tiled_mma_sdp;
     typename Ws::TiledMmadKV tiled_mma_dkv;
@@ -509,7 +520,8 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
         Tensor scores = make_tensor(acc_s.data(), acc_as_rowcol(acc_s.layout()));  // (keys, queries)
         CUTE_UNROLL
         for (int c = 0; c < size<1>(scores); ++c) {
-            const float lse_log2 = storage.lse_log2[stage][get<1>(tScS_rc(0, c))];
+            const int q_row = get<1>(tScS_rc(0, c));
+            const float lse_log2 = storage.lse[stage][q_row] * kLog2e;
             CUTE_UNROLL
             for (int r = 0; r < size<0>(scores); ++r) {
                 scores(r, c) = exp2f(scores(r, c) * params.score_scale_log2 - lse_log2);
@@ -717,7 +729,7 @@ flash_bwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
 
     if (threadIdx.x == 0) {
         for (int stage = 0; stage < Ws::kStages; ++stage) {
-            storage.full[stage].init(32);  // every producer lane, after its lse / d stores
+            storage.full[stage].init(32);  // every producer lane, as its lse / d copies land
             storage.empty[stage].init(Ws::kConsumerThreads);
         }
         storage.kv_full.init(1);
