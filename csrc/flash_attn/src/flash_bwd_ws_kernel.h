@@ -311,6 +311,16 @@ __device__ __forceinline__ void bwd_ws_producer(const typename Ws::KernelArgs &a
     });
 }
 
+// A consumer's publication of its staged dQ half to the dQ warp, made only when `pending` holds:
+// the proxy fence (its shared-memory stores, visible to the bulk reduction) and the arrival,
+// predicated rather than branched around (a branch while wgmma products run made ptxas serialise
+// them).
+template <int kThreads>
+__device__ __forceinline__ void publish_staged_dq(bool pending, int barrier_id) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p fence.proxy.async.shared::cta;\n"
+                 " @p bar.arrive %1, %2;\n}\n" ::"r"(int(pending)), "r"(barrier_id), "n"(kThreads) : "memory");
+}
+
 // The dQ warp: each dQ tile the consumers staged in shared memory (each warpgroup its half of the
 // head dim, behind its own barrier), added into dq_accum (this sequence's and head's rows) with
 // one bulk reduction by lane 0.
@@ -560,14 +570,17 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
         }
     };
     // dQ of query block m_block (this warpgroup's half of the head dim) to shared memory in
-    // dq_accum's byte order, for the dQ warp's bulk reduction.
-    auto hand_dq_to_writer = [&](auto const &acc_dq, int m_block) {
+    // dq_accum's byte order, for the dQ warp's bulk reduction; published (a proxy fence, which waits
+    // for the stores to land, then the arrival) once the next block's first products are issued, so
+    // that the stores land under them instead of holding up the warpgroup.
+    auto stage_dq = [&](auto const &acc_dq, int m_block) {
         if (dq_tiles > 0) { named_barrier_sync<Ws::kDqBarrierThreads>(Ws::kBarrierDqEmpty + consumer); }
         stage_dq_accum<kBlockM, kHeadDim>(acc_dq, tiled_mma_dq, ctid, storage.dq.data(),
                                           dq_row0 + int64_t(m_block) * kBlockM);
-        fence_smem_for_wgmma();  // the bulk reduction reads through the async proxy
-        named_barrier_arrive<Ws::kDqBarrierThreads>(Ws::kBarrierDqFull + consumer);
         ++dq_tiles;
+    };
+    auto publish_dq = [&](bool pending) {
+        publish_staged_dq<Ws::kDqBarrierThreads>(pending, Ws::kBarrierDqFull + consumer);
     };
 
     schedule.for_each_key_block([&](int n_block, auto const &range, int iter, int kv_iter) {
@@ -598,6 +611,7 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                     storage.full[stage].wait((iter / kStages) % 2);
                     wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrK, tSrQ(stage), acc_s);
                     wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrV, tSrdO(stage), acc_dp);
+                    if constexpr (!Ws::kSplitHeadDim) { publish_dq(m_block > range.m_block_min); }  // the block before's
                     scores_to_ds(acc_s, acc_dp, stage, ds_buf, m_block, n_block);
                     // dV += P^T dO with dropped elements zeroed (1 / keep_prob is applied once, at
                     // the end), issued before dS^T is converted: P^T's fp32 registers die first,
@@ -631,7 +645,7 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                         warpgroup_wait<1>();  // dV and dQ landed; dK may still run
                         warpgroup_fence_operand(rP);  // P^T's registers were read by dV until here
                         warpgroup_fence_operand(acc_dq);
-                        hand_dq_to_writer(acc_dq, m_block);
+                        stage_dq(acc_dq, m_block);
                     }
                     warpgroup_wait<0>();
                     warpgroup_fence_operand(acc_dk);
@@ -639,6 +653,7 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                     warpgroup_fence_operand(rdS);  // dS^T's registers were read by dK until here
                     storage.empty[stage].arrive();
                 }
+                if constexpr (!Ws::kSplitHeadDim) { publish_dq(true); }  // the last block's
             } else {
                 // d64 under a mask or long: the warpgroups take turns at the tensor cores (ping-pong), two a
                 // block: S^T and dP^T; then dQ of the block before (both warpgroups' dS^T, written
@@ -659,6 +674,8 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                     wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrK, tSrQ(stage), acc_s);
                     wgmma_gemm<true, Ws::kKVInRegs>(tiled_mma_sdp, tSrV, tSrdO(stage), acc_dp);
                     ws_pass_turn<2>(consumer);
+                    // the dQ of two blocks back, staged in the block before
+                    if constexpr (has_last) { publish_dq(m_block > range.m_block_min + 1); }
                     scores_to_ds(acc_s, acc_dp, stage, ds_buf, m_block, n_block);
                     Tensor rP = convert_type<Element>(acc_s);
                     Tensor rdS = convert_type<Element>(acc_dp);
@@ -675,7 +692,7 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                     if constexpr (has_last) {
                         warpgroup_wait<2>();  // dQ landed; dV and dK may still run
                         warpgroup_fence_operand(acc_dq);
-                        hand_dq_to_writer(acc_dq, m_block - 1);
+                        stage_dq(acc_dq, m_block - 1);
                     }
                     warpgroup_wait<0>();
                     warpgroup_fence_operand(acc_dk);
@@ -693,11 +710,13 @@ __device__ __forceinline__ void bwd_ws_consumers(const AttentionParams &params, 
                 // The last block's dQ: consumer 0 waits for consumer 1's last turn (its dS^T
                 // written), which passes no more; consumer 1 saw consumer 0's dS^T at its own last
                 // turn. Every arrival of a key block is waited for within it.
+                publish_dq(range.m_block_max - range.m_block_min >= 2);  // the last block's staged dQ
                 if (consumer == 0) { ws_wait_turn<2>(consumer); }
                 wgmma_gemm<true>(tiled_mma_dq, tdQrdS((iter + Ws::kDsBuffers - 1) % Ws::kDsBuffers), tdQrK, acc_dq);
                 warpgroup_wait<0>();
                 warpgroup_fence_operand(acc_dq);
-                hand_dq_to_writer(acc_dq, range.m_block_max - 1);
+                stage_dq(acc_dq, range.m_block_max - 1);
+                publish_dq(true);
             }
             storage.kv_empty.arrive();
         }
