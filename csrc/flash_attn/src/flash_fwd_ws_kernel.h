@@ -82,6 +82,7 @@ struct ForwardWs {
         typename Pipeline::SharedStorage pipeline_k, pipeline_v;
         alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;  // Q landed (the producer's expect-tx)
         alignas(16) cutlass::arch::ClusterBarrier barrier_q_empty;        // the consumers are done with Q
+        float wait_anchor[kConsumerThreads];  // written, never read: see anchor_wait_after
     };
     // Two consumers only: beside three consumers' 160 registers the staged code spilled (d64: 112-228
     // bytes, into the main loop).
@@ -154,6 +155,17 @@ struct ForwardWs {
                             p.head_dim, int(sizeof(Element)));
     }
 };
+
+// Keeps the wgmma wait that follows after the work that computed `value`. ptxas places a
+// wgmma.wait_group as early as it can in the instruction stream, so the forward's wait for P V went
+// above the softmax it was meant to run under (every overlapped kernel: the exponentials ran after
+// P V had landed). It keeps a shared-memory store before a later wait; this one stores a value
+// the softmax produced into a slot nobody reads.
+__device__ __forceinline__ void anchor_wait_after(float value, float *slot) {
+#if FLASH_WGMMA_ARCH
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(uint32_t(__cvta_generic_to_shared(slot))), "f"(value) : "memory");
+#endif
+}
 
 // Overlap: each consumer issues S of key block j + 1 together with O += P V of block j, then
 // exponentiates S while P V still runs (O is rescaled after it lands), and the consumers take turns
@@ -359,6 +371,7 @@ flash_fwd_ws_kernel(const __grid_constant__ typename Ws::KernelArgs args) {
                 score_mods.apply<kBlockM, kBlockN, Is_masked>(acc_s, scores, tScS_rc, m_block, n_block, [] {});
                 float rescale[kRows];
                 softmax.update_scores(scores, rescale, params.score_scale_log2);
+                anchor_wait_after(softmax.row_sum[0] + softmax.row_sum[kRows - 1], &storage.wait_anchor[ctid]);
                 warpgroup_wait<0>();  // P V landed: rP and the V stage are free, acc_o is final
                 warpgroup_fence_operand(acc_o);
                 pipeline_v.consumer_release(state_v);
