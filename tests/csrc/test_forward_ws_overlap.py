@@ -2,41 +2,13 @@
 the SASS of its overlapped kernels every wait for S (WARPGROUP.DEPBAR.LE gsb0, 0x1) is followed by
 the block's exponentials before the wait for P V (..., 0x0). ptxas had put that wait above the
 softmax in every such kernel (anchor_wait_after in flash_fwd_ws_kernel.h keeps it below). Needs
-nvcc, the CUTLASS headers and cuobjdump (the CUDA toolkit's, or the one Triton ships)."""
+nvcc, the CUTLASS headers and cuobjdump (conftest.py)."""
 
-import importlib.util
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-# Loaded from its file: csrc/ on sys.path would make its extension folders (csrc/fused_dense_lib)
-# importable as namespace packages and fool the extension checks of other tests.
-_spec = importlib.util.spec_from_file_location("build_flags", ROOT / "csrc" / "build_flags.py")
-build_flags = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(build_flags)
-
-
-def _cuobjdump():
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    spec = importlib.util.find_spec("triton")
-    if spec is not None and spec.origin is not None:
-        bundled = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        if bundled.is_file():
-            return str(bundled)
-    return None
-
-
-def _cutlass():
-    try:
-        return build_flags.cutlass_include_dir()
-    except FileNotFoundError:
-        return None
 
 
 def exponentials_under_pv(sass):
@@ -57,15 +29,13 @@ def exponentials_under_pv(sass):
     return counts
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or _cutlass() is None or _cuobjdump() is None,
-                    reason="needs nvcc, the CUTLASS headers and cuobjdump")
-def test_softmax_runs_under_pv(tmp_path):
+def test_softmax_runs_under_pv(tmp_path, build_flags, cutlass_include, cuobjdump):
     cubin = tmp_path / "overlap.cubin"
     flags = [f for f in build_flags.kernel_flags(["90"]) if f != "-lineinfo"]
-    subprocess.run(["nvcc", *flags, "-cubin", "-I", str(ROOT / "csrc" / "flash_attn" / "src"), "-I", _cutlass(),
+    subprocess.run(["nvcc", *flags, "-cubin", "-I", str(ROOT / "csrc" / "flash_attn" / "src"), "-I", cutlass_include,
                     str(ROOT / "tests" / "csrc" / "forward_ws_overlap.cu"), "-o", str(cubin)],
                    check=True, capture_output=True, text=True)
-    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
     counts = exponentials_under_pv(sass)
     assert len(counts) == 2, list(counts)
     for name, found in counts.items():
